@@ -1,0 +1,211 @@
+"""SpeculativeDecoder: the public entry point. Loads the target and draft, validates every input
+at the boundary, and runs the decoding loop (specdecode.decoding)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from specdecode import zoo
+from specdecode.decoding import DecodeConfig, GenerationResult, TokenEvent, decode
+from specdecode.models import HFCausalLM
+from specdecode.proposers import DraftModelProposer
+from specdecode.sampling import SamplingParams
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    """None → bfloat16 (a k-token verify costs about one step there; DESIGN.md §8)."""
+    if dtype is None:
+        return torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None = None):
+    """A zoo name, a local directory or a hub id → (model, tokenizer, name).
+
+    Raises:
+        ValueError: the model cannot be found or loaded here (the message says what to do).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec in zoo.ZOO:
+        model, tokenizer = zoo.load_zoo_model(spec, dtype, progress)
+        return model, tokenizer, spec
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"model must be a zoo name, a local path or a hub id, got {spec!r}")
+    if progress:
+        progress(f"loading {spec}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(spec)
+    except (OSError, ValueError) as err:
+        where = ("the local directory" if os.path.isdir(spec) else
+                 "no such local path, and the Hugging Face hub is unreachable from here or has no such model")
+        raise ValueError(
+            f"cannot load model {spec!r}: {where} ({type(err).__name__}: {str(err).splitlines()[0]}). "
+            f"Known offline models: {', '.join(zoo.ZOO)}; or pass a local directory saved with "
+            "save_pretrained.") from None
+    return model.eval(), tokenizer, spec
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:
+    """Raises ValueError if the two tokenizers map any string to different ids (DESIGN.md rule 6)."""
+    if target_tokenizer is draft_tokenizer:
+        return
+    if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+        raise ValueError(
+            f"draft tokenizer ({draft_name!r}) differs from target tokenizer ({target_name!r}); "
+            "pick a draft from the target's family, or pass draft=None")
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    backend: HFCausalLM
+    tokenizer: object
+    name: str
+
+
+class GenerationStream:
+    """Iterate for TokenEvents as tokens are accepted; `.result` is set once iteration ends."""
+
+    def __init__(self, events: Iterator[TokenEvent]):
+        self._events = events
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        self.result = yield from self._events
+
+
+class SpeculativeDecoder:
+    """Exact speculative decoding of a target model with a draft model (paper Algorithm 1).
+
+    Args:
+        target: "default" (the zoo pair's target), a zoo name, a local path, a hub id, or a loaded
+            transformers PreTrainedModel (then `tokenizer` is required).
+        draft: "default", a zoo name, path, hub id, PreTrainedModel, or None for plain decoding.
+            It must use the target's tokenizer.
+        tokenizer: the tokenizer for a target given as a loaded model.
+        num_speculative_tokens: γ, drafts per target call (>= 1).
+        dtype: "bfloat16" (default), "float32" or "float16" for models loaded by name.
+        progress: called with one-line messages while models are assembled and loaded.
+    Raises:
+        ValueError: unknown model, tokenizers that differ, γ < 1, unknown dtype.
+        FileNotFoundError: the default pair's part packages are not installed.
+    """
+
+    def __init__(self, target="default", draft="default", *, tokenizer=None,
+                 num_speculative_tokens: int = 4, dtype=None,
+                 progress: Callable[[str], None] | None = None):
+        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
+        self.num_speculative_tokens = num_speculative_tokens
+        self.dtype = parse_dtype(dtype)
+        self.target = self._load(zoo.DEFAULT_TARGET if target == "default" else target, tokenizer, progress)
+        self.tokenizer = self.target.tokenizer
+        self.draft = None
+        if draft is not None:
+            self.draft = self._load(zoo.DEFAULT_DRAFT if draft == "default" else draft,
+                                    tokenizer or self.tokenizer, progress)
+            check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
+        self.eos_token_ids = self._eos_ids(self.target.backend.model, self.tokenizer)
+
+    def _load(self, spec, tokenizer, progress) -> _Loaded:
+        if isinstance(spec, torch.nn.Module):
+            if tokenizer is None:
+                raise ValueError("a target given as a loaded model needs tokenizer=")
+            return _Loaded(HFCausalLM(spec), tokenizer, type(spec).__name__)
+        model, tok, name = load_model(spec, self.dtype, progress)
+        return _Loaded(HFCausalLM(model), tok, name)
+
+    @staticmethod
+    def _eos_ids(model, tokenizer) -> frozenset[int]:
+        ids = set()
+        for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(value)
+        return frozenset(ids)
+
+    def encode(self, prompt, chat: bool | None = None) -> list[int]:
+        """A string (chat template applied per `chat`) or token ids → validated token ids.
+
+        Raises:
+            ValueError: empty prompt, ids outside the vocabulary, chat=True without a template.
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty; give at least one character or token id")
+            has_template = bool(getattr(self.tokenizer, "chat_template", None))
+            if chat and not has_template:
+                raise ValueError("chat=True, but the target's tokenizer has no chat template")
+            if chat is None:
+                chat = has_template
+            if chat:
+                ids = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+                    return_dict=False)
+                ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            else:
+                ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty; give at least one character or token id")
+        bad = [t for t in ids if not 0 <= t < self.target.backend.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.target.backend.vocab_size})")
+        limit = self.target.backend.max_length
+        if limit is not None and len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens; the target's context window is {limit}")
+        return ids
+
+    def generate(self, prompt, *, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
+                 stop: list[str] | str | None = None, stream: bool = False, chat: bool | None = None):
+        """Generate a continuation whose distribution is exactly the target's (paper §2.3).
+
+        Args:
+            prompt: a string, a list of token ids (used verbatim), or a list of either (decoded
+                one after another; returns a list of results).
+            max_new_tokens: at most this many new tokens (>= 1).
+            sampling: SamplingParams; default temperature 1.0. temperature=0 is greedy.
+            stop: a string or list of strings that end the output (excluded from the text).
+            stream: return a GenerationStream of TokenEvents instead of the result.
+            chat: apply the chat template (None: for string prompts when the target has one).
+        Returns:
+            GenerationResult (.text, .token_ids, .finish_reason, .stats, .origins), a list of
+            them for a batch, or a GenerationStream.
+        Raises:
+            ValueError: bad prompt, max_new_tokens < 1, empty stop string.
+        """
+        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
+            if stream:
+                raise ValueError("stream=True takes one prompt, not a list")
+            return [self.generate(p, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, chat=chat)
+                    for p in prompt]
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling or SamplingParams(),
+                              num_speculative_tokens=self.num_speculative_tokens,
+                              eos_token_ids=self.eos_token_ids, stop=stops)
+        ids = self.encode(prompt, chat)
+        proposer = DraftModelProposer(self.draft.backend) if self.draft is not None else None
+        events = decode(self.target.backend, proposer, ids, config, self.tokenizer)
+        if stream:
+            return GenerationStream(events)
+        streamed = GenerationStream(events)
+        for _ in streamed:
+            pass
+        return streamed.result

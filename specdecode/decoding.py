@@ -1,0 +1,223 @@
+"""The decoding loop: plain decoding (no proposer) and speculative decoding share it, so the
+baseline and the speculative run differ only in speculation (DESIGN.md §2).
+
+One step: 1 propose k drafts → 2 score all of them with one target call → 3 accept a prefix and
+sample one token (verify.speculative_step) → 4 commit token by token through the stop checks and
+roll both caches back to the committed prefix → 5 record statistics.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from specdecode.sampling import SamplingParams, adjust, make_generator, sample
+from specdecode.text import IncrementalDetokenizer, StopStrings
+from specdecode.verify import speculative_step
+
+# Where each emitted token came from (the colours of the paper's Figure 1).
+ACCEPTED, CORRECTED, BONUS, TARGET = "accepted", "corrected", "bonus", "target"
+
+
+@dataclass
+class GenerationStats:
+    """What one generation did (DESIGN.md §6). Times in seconds."""
+
+    num_target_calls: int = 0
+    num_draft_calls: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_generated: int = 0
+    wall_time_s: float = 0.0
+    time_draft_s: float = 0.0
+    time_target_s: float = 0.0
+    lossy: bool = False
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted (the empirical α); NaN when nothing was drafted."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else float("nan")
+
+    @property
+    def mean_tokens_per_call(self) -> float:
+        """Emitted tokens per target call; Eq. 1 of the paper predicts it (1.0 for plain decoding)."""
+        return self.num_generated / self.num_target_calls if self.num_target_calls else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_generated / self.wall_time_s if self.wall_time_s else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "num_target_calls": self.num_target_calls, "num_draft_calls": self.num_draft_calls,
+            "num_drafted": self.num_drafted, "num_accepted": self.num_accepted,
+            "acceptance_rate": None if not self.num_drafted else self.acceptance_rate,
+            "accepted_per_position": list(self.accepted_per_position),
+            "mean_tokens_per_call": self.mean_tokens_per_call, "num_generated": self.num_generated,
+            "wall_time_s": self.wall_time_s, "time_draft_s": self.time_draft_s,
+            "time_target_s": self.time_target_s, "tokens_per_second": self.tokens_per_second,
+            "lossy": self.lossy,
+        }
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # new tokens only (an EOS that ended the output is included)
+    finish_reason: str    # "stop" | "length" | "eos"
+    stats: GenerationStats
+    origins: list[str]    # per token: accepted | corrected | bonus | target
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "stats": self.stats.to_dict()}
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One emitted token, as streamed: its id, the text it completes, where it came from."""
+
+    token_id: int
+    text: str
+    origin: str
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    max_new_tokens: int
+    sampling: SamplingParams
+    num_speculative_tokens: int = 0
+    eos_token_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()
+    lenience: float = 1.0
+
+
+class _Output:
+    """Step 4's token-by-token commit: EOS, stop strings, max_new_tokens (DESIGN.md rule 4)."""
+
+    def __init__(self, config: DecodeConfig, tokenizer, prompt_ids: list[int]):
+        self.config = config
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+        self.stops = StopStrings(list(config.stop)) if config.stop else None
+        self.token_ids: list[int] = []
+        self.origins: list[str] = []
+        self.text_parts: list[str] = []
+        self.finish_reason: str | None = None
+
+    def push(self, token_id: int, origin: str) -> TokenEvent:
+        self.token_ids.append(token_id)
+        self.origins.append(origin)
+        is_eos = token_id in self.config.eos_token_ids
+        text = self.detok.push(token_id) if self.detok is not None and not is_eos else ""
+        if is_eos:
+            self.finish_reason = "eos"
+        if self.stops is not None:
+            text, stopped = self.stops.push(text)
+            if stopped:
+                self.finish_reason = "stop"
+        if self.finish_reason is None and len(self.token_ids) >= self.config.max_new_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason in ("eos", "length"):
+            text += self._flush()
+        self.text_parts.append(text)
+        return TokenEvent(token_id, text, origin)
+
+    def _flush(self) -> str:
+        text = self.detok.flush() if self.detok is not None else ""
+        if self.stops is not None:
+            text, _ = self.stops.push(text)
+            text += self.stops.flush()
+        return text
+
+
+def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokenizer=None,
+           ) -> Iterator[TokenEvent]:
+    """Generate from `target`, speculating with `proposer` (None: plain decoding).
+
+    A generator of TokenEvents; its return value (StopIteration.value) is the GenerationResult.
+    The target's cache holds the committed sequence minus its last token, which is fed with the
+    next step's drafts, so each step is exactly one target call over k+1 positions (paper §2.3).
+
+    Args:
+        target: a backend (specdecode.models).  proposer: a Proposer or None.
+        prompt_ids: non-empty list of token ids.  config: limits, sampling, k, stops.
+        tokenizer: for text and stop strings; None decodes ids only (text is "").
+    """
+    start = time.perf_counter()
+    generator = make_generator(config.sampling.seed)
+    stats = GenerationStats(lossy=config.lenience < 1.0)
+    out = _Output(config, tokenizer, prompt_ids)
+    prompt = torch.tensor(prompt_ids, dtype=torch.long)
+    k_max = config.num_speculative_tokens if proposer is not None else 0
+    stats.accepted_per_position = [0] * k_max
+
+    target.reset()
+    target.prefill(prompt[:-1])
+    if proposer is not None:
+        proposer.configure(config.sampling, generator)
+        proposer.start(prompt)
+    pending = prompt[-1:]
+    committed = len(prompt_ids)
+    while out.finish_reason is None:
+        if target.max_length is not None and committed >= target.max_length:
+            out.finish_reason = "length"
+            break
+        # γ is clipped so that the block fits max_new_tokens and the context window (rule 4).
+        k = min(k_max, config.max_new_tokens - len(out.token_ids) - 1)
+        if target.max_length is not None:
+            k = min(k, target.max_length - committed)
+        # 1 propose
+        if k > 0:
+            draft = proposer.propose(k)
+            drafts = draft.tokens
+        else:
+            drafts = prompt[:0]
+        # 2 score: one target call over the pending token and the k drafts
+        t0 = time.perf_counter()
+        p = adjust(target.forward(torch.cat([pending, drafts])), config.sampling)  # [k+1, V]
+        stats.time_target_s += time.perf_counter() - t0
+        stats.num_target_calls += 1
+        # 3 accept
+        if k > 0:
+            n, token = speculative_step(drafts[None], draft.probs[None], p[None], generator, config.lenience)
+            n, token = int(n), int(token)
+        else:
+            n = 0
+            token = int(p[0].argmax()) if config.sampling.greedy else int(sample(p[0], generator))
+        stats.num_drafted += k
+        stats.num_accepted += n
+        for i in range(n):
+            stats.accepted_per_position[i] += 1
+        # 4 commit, token by token, until a stop
+        new_tokens = drafts[:n].tolist() + [token]
+        origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]
+        for token_id, origin in zip(new_tokens, origins):
+            yield out.push(token_id, origin)
+            if out.finish_reason is not None:
+                break
+        target.truncate(committed + n)
+        if proposer is not None:
+            proposer.commit(n, new_tokens)
+        pending = torch.tensor([token], dtype=torch.long)
+        committed += n + 1
+
+    if proposer is not None:
+        stats.num_draft_calls = proposer.num_calls
+        stats.time_draft_s = proposer.time_s
+    stats.num_generated = len(out.token_ids)
+    stats.wall_time_s = time.perf_counter() - start
+    return GenerationResult("".join(out.text_parts), out.token_ids, out.finish_reason, stats, out.origins)
+
+
+def run(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokenizer=None) -> GenerationResult:
+    """decode() to the end; returns the GenerationResult."""
+    events = decode(target, proposer, prompt_ids, config, tokenizer)
+    while True:
+        try:
+            next(events)
+        except StopIteration as done:
+            return done.value

@@ -1,0 +1,69 @@
+"""A small autoregressive model as the draft (paper §2.1, §3.6)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specdecode.sampling import SamplingParams, adjust, sample
+
+
+class DraftModelProposer:
+    """Samples k tokens one after another from a draft backend, with the request's adjustment.
+
+    The draft's cache always holds the committed prefix minus the `pending` tokens it has not
+    been fed yet (the target's last token and, after a fully accepted block, the last draft);
+    they go in with the first forward of the next proposal, so rollback costs no extra call.
+
+    Args:
+        backend: a model backend (specdecode.models) for the draft model.
+    """
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.sampling = SamplingParams(temperature=0.0)
+        self.generator: torch.Generator | None = None
+        self.num_calls = 0
+        self.time_s = 0.0
+
+    def configure(self, sampling: SamplingParams, generator: torch.Generator) -> None:
+        """Use the request's sampling settings and generator (DESIGN.md rules 1 and 7)."""
+        self.sampling = sampling
+        self.generator = generator
+
+    def start(self, prompt: torch.Tensor) -> None:
+        self.backend.reset()
+        self.backend.prefill(prompt[:-1])
+        self._pending = prompt[-1:].tolist()
+        self._drafts: list[int] = []
+        self.num_calls = 0
+        self.time_s = 0.0
+
+    def propose(self, k: int):
+        from specdecode.proposers import Draft
+
+        start = time.perf_counter()
+        self._committed = self.backend.length + len(self._pending)
+        feed, tokens, probs = self._pending, [], []
+        for _ in range(k):
+            logits = self.backend.forward(torch.tensor(feed, dtype=torch.long))[-1]
+            self.num_calls += 1
+            q = adjust(logits, self.sampling)
+            token = int(q.argmax()) if self.sampling.greedy else int(sample(q, self.generator))
+            tokens.append(token)
+            probs.append(q)
+            feed = [token]
+        self._pending, self._drafts = [], tokens
+        self.time_s += time.perf_counter() - start
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs))
+
+    def commit(self, num_accepted: int, tokens: list[int]) -> None:
+        if not self._drafts:  # no proposal this step (k clipped to 0): just queue the tokens
+            self._pending += tokens
+            return
+        # The cache holds the committed prefix plus drafts[:-1]; the last draft was never fed.
+        kept = min(num_accepted, len(self._drafts) - 1)
+        self.backend.truncate(self._committed + kept)
+        self._pending = tokens[kept:]
+        self._drafts = []

@@ -1,0 +1,97 @@
+"""Standardized sampling (paper §2.2): every decoding rule is plain sampling from an adjusted
+distribution. The same adjustment is applied to the target's logits (p) and the draft's (q), so
+the verifier sees exactly the distributions the tokens were sampled from (DESIGN.md rule 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to turn logits into the distribution that is sampled (paper §2.2).
+
+    temperature: 0 means greedy (a one-hot distribution on the argmax, lowest id wins ties).
+    top_k: keep the k most likely tokens; 0 keeps all.
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 keeps all.
+    min_p: drop tokens whose probability is below min_p × the top token's; 0.0 keeps all.
+    seed: seeds the request's torch.Generator; None draws a fresh seed.
+
+    Raises:
+        ValueError: on a negative temperature or top_k, top_p outside (0, 1], min_p outside [0, 1).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:  # also catches NaN
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def adjust(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn logits into the adjusted distribution that is actually sampled (paper §2.2).
+
+    Args:
+        logits: [..., V] any float dtype.
+        params: the request's sampling settings.
+    Returns:
+        [..., V] float32 probabilities summing to 1 on the last dim. Greedy gives a one-hot
+        vector on the argmax (the lowest index wins ties). Filters apply in the order
+        temperature, top-k, top-p, min-p, each on the renormalized result of the previous.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_k and params.top_k < probs.shape[-1]:
+        kth = probs.topk(params.top_k, dim=-1).values[..., -1:]
+        probs = _renormalize(probs.masked_fill(probs < kth, 0.0))
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # A token is kept if the mass strictly before it is still below top_p, so the top
+        # token is always kept and the kept set is the smallest that reaches top_p.
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = _renormalize(probs.masked_fill(drop, 0.0))
+    if params.min_p > 0.0:
+        threshold = params.min_p * probs.amax(-1, keepdim=True)
+        probs = _renormalize(probs.masked_fill(probs < threshold, 0.0))
+    return probs
+
+
+def _renormalize(probs: torch.Tensor) -> torch.Tensor:
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row. probs: [..., V] float32 (need not be normalized) → [...] int64."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A per-request CPU generator (DESIGN.md rule 7); a None seed draws a fresh one."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

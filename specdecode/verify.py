@@ -1,0 +1,111 @@
+"""The speculative sampling rule (paper §2.3, Algorithm 1; proof in Appendix A.1).
+
+Glossary: the *draft* proposes k tokens x_1..x_k sampled from q_1..q_k; the *target* gives
+p_1..p_{k+1} in one call. Token x_i is *accepted* with probability min(1, p_i(x_i) / q_i(x_i));
+the first rejection ends the block and its replacement is drawn from the *residual*
+norm(max(0, p_i − q_i)); if all k are accepted, a *bonus* token is drawn from p_{k+1}. Every
+call therefore yields between 1 and k+1 tokens, distributed exactly as sampling p alone.
+
+Pure functions of tensors: no model, no cache, no global RNG (pass a torch.Generator).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check_shapes(draft_tokens, draft_probs, target_probs):
+    if (draft_tokens.dim() != 2 or draft_probs.dim() != 3 or target_probs.dim() != 3
+            or draft_probs.shape[:2] != draft_tokens.shape
+            or target_probs.shape[:2] != (draft_tokens.shape[0], draft_tokens.shape[1] + 1)):
+        raise ValueError(
+            "expected draft_tokens [B, k], draft_probs [B, k, V_draft], target_probs [B, k+1, V]; got "
+            f"{tuple(draft_tokens.shape)}, {tuple(draft_probs.shape)}, {tuple(target_probs.shape)}")
+
+
+def _match_vocab(draft_probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Zero-pad (or cut) q to the target's vocabulary size (DESIGN.md rule 6).
+
+    Models of one family often pad their embedding tables to different sizes; the ids past the
+    tokenizer's real size are never valid tokens, so q mass there can never be accepted.
+    """
+    v_draft = draft_probs.shape[-1]
+    if v_draft < vocab_size:
+        return torch.nn.functional.pad(draft_probs, (0, vocab_size - v_draft))
+    return draft_probs[..., :vocab_size]
+
+
+def acceptance_probs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
+                     target_probs: torch.Tensor, lenience: float = 1.0) -> torch.Tensor:
+    """Probability of accepting each drafted token, min(1, p_i(x_i) / (l·q_i(x_i))) (paper §2.3, A.5).
+
+    Args:
+        draft_tokens: [B, k] int64.
+        draft_probs:  [B, k, V_draft] float32, q.
+        target_probs: [B, k(+1), V] float32, p; only the first k positions are used.
+        lenience: l in (0, 1]; 1 is the exact rule, l < 1 is lossy (paper A.5).
+    Returns:
+        [B, k] float32 in [0, 1]. A drafted id with q = 0 (a bug upstream: it cannot have been
+        sampled) or an id outside the target's vocabulary gets 0: rejected, never NaN.
+    """
+    vocab_size = target_probs.shape[-1]
+    k = draft_tokens.shape[1]
+    in_vocab = draft_tokens < vocab_size
+    index = torch.where(in_vocab, draft_tokens, 0).unsqueeze(-1)
+    p_x = target_probs[:, :k].gather(-1, index).squeeze(-1)
+    q_x = draft_probs.gather(-1, draft_tokens.clamp(max=draft_probs.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    valid = in_vocab & (q_x > 0)
+    ratio = p_x / torch.where(valid, lenience * q_x, 1.0)
+    return torch.where(valid, ratio.clamp(max=1.0), 0.0)
+
+
+def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p − q)) per token id (paper §2.3, Algorithm 1 step 4).
+
+    Args:
+        target_probs: [..., V] float32, p.   draft_probs: [..., V_draft] float32, q.
+    Returns:
+        [..., V] float32, normalized. Where p − q has no positive mass (p = q up to rounding,
+        when a rejection has probability 0 anyway) it falls back to p, so it is never NaN.
+    """
+    residual = (target_probs - _match_vocab(draft_probs, target_probs.shape[-1])).clamp(min=0.0)
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), target_probs)
+
+
+def speculative_step(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
+                     target_probs: torch.Tensor, generator: torch.Generator | None = None,
+                     lenience: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep a prefix of the draft, then sample one token (paper §2.3, Algorithm 1).
+
+    Args:
+        draft_tokens: [B, k] int64; token i was sampled from draft_probs[:, i].
+        draft_probs:  [B, k, V_draft] float32, q; rows sum to 1; zero-padded to V if smaller.
+        target_probs: [B, k+1, V] float32, p; row k is used only if all k are kept.
+        generator: the request's torch.Generator (CPU); draws k uniforms, then one sample.
+        lenience: 1.0 is exact; l < 1 accepts with min(1, p/(l·q)) and is lossy (paper A.5),
+            with the residual unchanged, so no token gets more than p(x)/l.
+    Returns:
+        num_accepted: [B] int64 in [0, k].
+        next_token:   [B] int64 from norm(max(0, p − q)) at the first rejection, else from p[:, k].
+    Raises:
+        ValueError: if shapes disagree (all three are printed) or lenience is outside (0, 1].
+    """
+    _check_shapes(draft_tokens, draft_probs, target_probs)
+    if not 0 < lenience <= 1:
+        raise ValueError(f"lenience must be in (0, 1], got {lenience}")
+    batch, k = draft_tokens.shape
+    accept_prob = acceptance_probs(draft_tokens, draft_probs, target_probs, lenience)
+    # r < ratio (r in [0, 1)) accepts surely at ratio 1 and never at ratio 0.
+    uniforms = torch.rand((batch, k), generator=generator, device=draft_tokens.device)
+    accepted = uniforms < accept_prob
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+    # q at position k is all zeros, so the "residual" there is p_{k+1} itself: the bonus token
+    # needs no separate branch.
+    q_ext = torch.nn.functional.pad(_match_vocab(draft_probs, target_probs.shape[-1]), (0, 0, 0, 1))
+    rows = torch.arange(batch, device=draft_tokens.device)
+    p_n = target_probs[rows, num_accepted]
+    q_n = q_ext[rows, num_accepted]
+    next_probs = residual_distribution(p_n, q_n)
+    next_token = torch.multinomial(next_probs, 1, generator=generator).squeeze(-1)
+    return num_accepted, next_token

