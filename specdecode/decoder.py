@@ -4,6 +4,7 @@ at the boundary, and runs the decoding loop (specdecode.decoding)."""
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -29,6 +30,41 @@ def parse_dtype(dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def _hub_reachable(host: str = "huggingface.co") -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    try:
+        socket.getaddrinfo(host, 443)
+        return True
+    except OSError:
+        return False
+
+
+def check_model_spec(spec) -> None:
+    """Fail fast, before any model is loaded, on a spec that cannot load here.
+
+    Raises:
+        ValueError: not a zoo name, not an existing directory, and (for a hub id) no local copy
+            in the Hugging Face cache while the hub is unreachable.
+    """
+    if isinstance(spec, torch.nn.Module) or spec in zoo.ZOO:
+        return
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"model must be a zoo name, a local path or a hub id, got {spec!r}")
+    if os.path.isdir(spec):
+        return
+    looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") > 1 or os.sep + os.sep in spec
+    if looks_like_path:
+        raise ValueError(f"model path {spec!r} does not exist. Known offline models: {', '.join(zoo.ZOO)}")
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(spec, "config.json"), str) and not _hub_reachable():
+        raise ValueError(
+            f"cannot load model {spec!r}: it is not in the local Hugging Face cache and the hub is "
+            f"unreachable from here. Known offline models: {', '.join(zoo.ZOO)}; or pass a local "
+            "directory saved with save_pretrained.")
+
+
 def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None = None):
     """A zoo name, a local directory or a hub id → (model, tokenizer, name).
 
@@ -37,23 +73,17 @@ def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None 
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_model_spec(spec)
     if spec in zoo.ZOO:
         model, tokenizer = zoo.load_zoo_model(spec, dtype, progress)
         return model, tokenizer, spec
-    if not isinstance(spec, str) or not spec:
-        raise ValueError(f"model must be a zoo name, a local path or a hub id, got {spec!r}")
     if progress:
         progress(f"loading {spec}")
     try:
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(spec)
     except (OSError, ValueError) as err:
-        where = ("the local directory" if os.path.isdir(spec) else
-                 "no such local path, and the Hugging Face hub is unreachable from here or has no such model")
-        raise ValueError(
-            f"cannot load model {spec!r}: {where} ({type(err).__name__}: {str(err).splitlines()[0]}). "
-            f"Known offline models: {', '.join(zoo.ZOO)}; or pass a local directory saved with "
-            "save_pretrained.") from None
+        raise ValueError(f"cannot load model {spec!r}: {type(err).__name__}: {str(err).splitlines()[0]}") from None
     return model.eval(), tokenizer, spec
 
 
@@ -109,12 +139,16 @@ class SpeculativeDecoder:
             raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
         self.num_speculative_tokens = num_speculative_tokens
         self.dtype = parse_dtype(dtype)
-        self.target = self._load(zoo.DEFAULT_TARGET if target == "default" else target, tokenizer, progress)
+        target = zoo.DEFAULT_TARGET if target == "default" else target
+        draft = zoo.DEFAULT_DRAFT if draft == "default" else draft
+        for spec in (target, draft):  # both checked before either is loaded
+            if spec is not None:
+                check_model_spec(spec)
+        self.target = self._load(target, tokenizer, progress)
         self.tokenizer = self.target.tokenizer
         self.draft = None
         if draft is not None:
-            self.draft = self._load(zoo.DEFAULT_DRAFT if draft == "default" else draft,
-                                    tokenizer or self.tokenizer, progress)
+            self.draft = self._load(draft, tokenizer or self.tokenizer, progress)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
         self.eos_token_ids = self._eos_ids(self.target.backend.model, self.tokenizer)
 

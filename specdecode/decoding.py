@@ -139,8 +139,9 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
     """Generate from `target`, speculating with `proposer` (None: plain decoding).
 
     A generator of TokenEvents; its return value (StopIteration.value) is the GenerationResult.
-    The target's cache holds the committed sequence minus its last token, which is fed with the
-    next step's drafts, so each step is exactly one target call over k+1 positions (paper §2.3).
+    The target's cache holds the committed sequence minus the pending tokens (at first the whole
+    prompt, then the last sampled token), which are fed with the next step's drafts: each step
+    is exactly one target call, whose last k+1 positions give p_1..p_{k+1} (paper §2.3).
 
     Args:
         target: a backend (specdecode.models).  proposer: a Proposer or None.
@@ -156,11 +157,10 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
     stats.accepted_per_position = [0] * k_max
 
     target.reset()
-    target.prefill(prompt[:-1])
     if proposer is not None:
         proposer.configure(config.sampling, generator)
         proposer.start(prompt)
-    pending = prompt[-1:]
+    pending = prompt
     committed = len(prompt_ids)
     while out.finish_reason is None:
         if target.max_length is not None and committed >= target.max_length:
@@ -176,9 +176,9 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
             drafts = draft.tokens
         else:
             drafts = prompt[:0]
-        # 2 score: one target call over the pending token and the k drafts
+        # 2 score: one target call over the pending token(s) and the k drafts
         t0 = time.perf_counter()
-        p = adjust(target.forward(torch.cat([pending, drafts])), config.sampling)  # [k+1, V]
+        p = adjust(target.forward(torch.cat([pending, drafts]), k + 1), config.sampling)  # [k+1, V]
         stats.time_target_s += time.perf_counter() - t0
         stats.num_target_calls += 1
         # 3 accept

@@ -34,20 +34,13 @@ class HFCausalLM:
         self._length = 0
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append tokens [T] int64; return the next-token logits after each, [T, V] float32."""
+    def forward(self, tokens: torch.Tensor, num_logits: int) -> torch.Tensor:
+        """Append tokens [T] int64; return the next-token logits after each of the last
+        `num_logits` of them, [num_logits, V] float32 (the LM head runs only there)."""
         out = self.model(input_ids=tokens.view(1, -1), cache=self.cache, use_cache=True,
-                         logits_to_keep=tokens.numel())
+                         logits_to_keep=num_logits)
         self._length += tokens.numel()
         return out.logits[0].float()
-
-    @torch.inference_mode()
-    def prefill(self, tokens: torch.Tensor) -> None:
-        """Append tokens [T] int64 without asking for their logits (only the LM head of the
-        last position is computed, then dropped)."""
-        if tokens.numel():
-            self.model(input_ids=tokens.view(1, -1), cache=self.cache, use_cache=True, logits_to_keep=1)
-            self._length += tokens.numel()
 
     def truncate(self, length: int) -> None:
         """Drop every cache entry past `length` tokens (rejected drafts)."""

@@ -37,16 +37,11 @@ class TableModel:
         context = ([0] * self.order + list(prefix))[-self.order:]
         return self.table[tuple(context)]
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, num_logits: int) -> torch.Tensor:
         self.num_forward_calls += 1
-        out = []
-        for t in tokens.tolist():
-            self.tokens.append(t)
-            out.append(self.logits_for(self.tokens))
-        return torch.stack(out)
-
-    def prefill(self, tokens: torch.Tensor) -> None:
         self.tokens.extend(tokens.tolist())
+        end = len(self.tokens)
+        return torch.stack([self.logits_for(self.tokens[:i]) for i in range(end - num_logits + 1, end + 1)])
 
     def truncate(self, length: int) -> None:
         del self.tokens[length:]

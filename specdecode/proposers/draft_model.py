@@ -13,8 +13,9 @@ class DraftModelProposer:
     """Samples k tokens one after another from a draft backend, with the request's adjustment.
 
     The draft's cache always holds the committed prefix minus the `pending` tokens it has not
-    been fed yet (the target's last token and, after a fully accepted block, the last draft);
-    they go in with the first forward of the next proposal, so rollback costs no extra call.
+    been fed yet (at first the whole prompt; later the target's last token and, after a fully
+    accepted block, the last draft); they go in with the first forward of the next proposal, so
+    prefill and rollback cost no extra call.
 
     Args:
         backend: a model backend (specdecode.models) for the draft model.
@@ -34,8 +35,7 @@ class DraftModelProposer:
 
     def start(self, prompt: torch.Tensor) -> None:
         self.backend.reset()
-        self.backend.prefill(prompt[:-1])
-        self._pending = prompt[-1:].tolist()
+        self._pending = prompt.tolist()
         self._drafts: list[int] = []
         self.num_calls = 0
         self.time_s = 0.0
@@ -47,7 +47,7 @@ class DraftModelProposer:
         self._committed = self.backend.length + len(self._pending)
         feed, tokens, probs = self._pending, [], []
         for _ in range(k):
-            logits = self.backend.forward(torch.tensor(feed, dtype=torch.long))[-1]
+            logits = self.backend.forward(torch.tensor(feed, dtype=torch.long), 1)[0]
             self.num_calls += 1
             q = adjust(logits, self.sampling)
             token = int(q.argmax()) if self.sampling.greedy else int(sample(q, self.generator))
