@@ -1,0 +1,160 @@
+"""The decoding loop's bookkeeping: acceptance counts, cache rollback, stops, seeds (DESIGN.md §5)."""
+
+import pytest
+import torch
+
+from specdecode.decoding import ACCEPTED, BONUS, CORRECTED, TARGET, DecodeConfig, decode, run
+from specdecode.models import TableModel
+from specdecode.proposers import DraftModelProposer
+from specdecode.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def config(max_new_tokens=20, k=4, sampling=GREEDY, **kw):
+    return DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling, num_speculative_tokens=k, **kw)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(seed=3), SamplingParams(top_p=0.5, seed=4)],
+                         ids=["greedy", "t1", "topp"])
+def test_identical_draft_accepts_every_token(sampling):
+    target, draft = TableModel(8, seed=0), TableModel(8, seed=0)
+    result = run(target, DraftModelProposer(draft), [1, 2, 3], config(200, k=4, sampling=sampling))
+    s = result.stats
+    assert len(result.token_ids) == 200
+    assert s.acceptance_rate == 1.0
+    assert s.num_target_calls == 40 and s.mean_tokens_per_call == 5.0
+    assert s.accepted_per_position == [40, 40, 40, 40]
+    assert result.origins.count(BONUS) == 40 and CORRECTED not in result.origins
+
+
+def test_always_wrong_draft_accepts_nothing_and_emits_one_token_per_call():
+    target = TableModel(8, seed=0)
+    draft = TableModel(8, seed=0)
+    draft.table = -draft.table  # greedy draft proposes the target's least likely token
+    result = run(target, DraftModelProposer(draft), [1, 2, 3], config(50, k=3))
+    s = result.stats
+    assert s.num_accepted == 0 and s.acceptance_rate == 0.0
+    assert s.num_target_calls == 50 and s.mean_tokens_per_call == 1.0
+    # the last step has room for one token only, so it drafts nothing (γ clipped to 0)
+    assert set(result.origins[:-1]) == {CORRECTED} and result.origins[-1] == TARGET
+
+
+def test_speculative_greedy_equals_plain_greedy_with_table_models():
+    target, draft = TableModel(8, seed=0), TableModel(8, seed=5)
+    plain = run(target, None, [1, 2], config(64))
+    for k in (1, 2, 5):
+        spec = run(target, DraftModelProposer(draft), [1, 2], config(64, k=k))
+        assert spec.token_ids == plain.token_ids
+        assert 0 < spec.stats.num_accepted < spec.stats.num_drafted
+    assert set(plain.origins) == {TARGET}
+
+
+class CheckedTable(TableModel):
+    """Records, at each forward, the cache contents and how many tokens were committed so far."""
+
+    def __init__(self, *args, committed, **kw):
+        super().__init__(*args, **kw)
+        self.committed = committed
+        self.snapshots = []
+
+    def forward(self, tokens, num_logits):
+        self.snapshots.append((list(self.tokens), tokens.tolist(), len(self.committed)))
+        return super().forward(tokens, num_logits)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(seed=1)], ids=["greedy", "t1"])
+def test_caches_hold_exactly_the_committed_prefix_after_every_step(sampling):
+    prompt = [1, 2, 3]
+    committed = list(prompt)
+    target = CheckedTable(8, seed=0, committed=committed)
+    draft = CheckedTable(8, seed=7, committed=committed)
+    for event in decode(target, DraftModelProposer(draft), prompt, config(60, k=3, sampling=sampling)):
+        committed.append(event.token_id)
+    assert len(committed) == len(prompt) + 60
+    # Target: each call starts from the committed sequence minus its last token, fed first.
+    for i, (cache, fed, n) in enumerate(target.snapshots):
+        if i == 0:
+            assert cache == [] and fed[:len(prompt)] == prompt
+        else:
+            assert cache == committed[:n - 1] and fed[0] == committed[n - 1]
+    assert target.tokens == committed[:-1]
+    # Draft: each proposal starts from a committed prefix that its first feed completes.
+    first_forward_of_step = {}
+    for cache, fed, n in draft.snapshots:
+        first_forward_of_step.setdefault(n, (cache, fed))
+    steps_with_drafts = sum(len(fed) > 1 for _, fed, _ in target.snapshots[1:]) + 1
+    assert len(first_forward_of_step) == steps_with_drafts
+    for n, (cache, fed) in first_forward_of_step.items():
+        assert cache + fed == committed[:n]
+
+
+def test_eos_inside_an_accepted_block_ends_the_output_there():
+    target, draft = TableModel(8, seed=0), TableModel(8, seed=0)
+    full = run(target, DraftModelProposer(draft), [1, 2], config(30, k=5)).token_ids
+    j = next(i for i in range(3, 30) if full[i] not in full[:i] and i % 6 not in (0, 5))
+    result = run(target, DraftModelProposer(draft), [1, 2], config(30, k=5, eos_token_ids=frozenset({full[j]})))
+    assert result.token_ids == full[:j + 1]
+    assert result.finish_reason == "eos"
+    assert result.stats.num_generated == j + 1
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 4, 5, 6, 7, 11, 13])
+def test_block_that_would_overshoot_max_new_tokens_is_cut_exactly(max_new_tokens):
+    target, draft = TableModel(8, seed=0), TableModel(8, seed=0)
+    result = run(target, DraftModelProposer(draft), [1, 2], config(max_new_tokens, k=4))
+    assert len(result.token_ids) == max_new_tokens
+    assert result.finish_reason == "length"
+    full = run(target, None, [1, 2], config(20)).token_ids
+    assert result.token_ids == full[:max_new_tokens]
+
+
+def test_context_window_clips_gamma_and_ends_with_length():
+    target = TableModel(8, seed=0, max_length=20)
+    draft = TableModel(8, seed=0, max_length=20)
+    result = run(target, DraftModelProposer(draft), [1, 2, 3, 4, 5], config(100, k=4))
+    assert len(result.token_ids) == 15  # 5 prompt tokens + 15 = the 20-token window
+    assert result.finish_reason == "length"
+    assert target.length <= 20
+
+
+def test_same_seed_gives_same_output_and_other_seeds_differ():
+    target, draft = TableModel(8, seed=0, sharpness=0.5), TableModel(8, seed=3, sharpness=0.5)
+    outs = [run(target, DraftModelProposer(draft), [1], config(30, k=3, sampling=SamplingParams(seed=s))).token_ids
+            for s in (7, 7, 8)]
+    assert outs[0] == outs[1]
+    assert outs[0] != outs[2]
+
+
+def test_stop_string_spanning_two_tokens(char_tokenizer):
+    vocab = len(char_tokenizer)
+    target, draft = TableModel(vocab, seed=0, sharpness=0.5), TableModel(vocab, seed=2, sharpness=0.5)
+    prompt = char_tokenizer.encode("ab")
+    sampling = SamplingParams(seed=5)
+    full = run(target, DraftModelProposer(draft), prompt, config(40, k=3, sampling=sampling), char_tokenizer)
+    ids = [t for t in full.token_ids]
+    # choose a two-token stop string that first occurs after a few tokens
+    pieces = [char_tokenizer.decode([t], skip_special_tokens=True) for t in ids]
+    text = "".join(pieces)
+    j = next(i for i in range(4, 39) if pieces[i] and pieces[i + 1] and (pieces[i] + pieces[i + 1]) not in text[:sum(map(len, pieces[:i + 1]))])
+    stop = pieces[j] + pieces[j + 1]
+    result = run(target, DraftModelProposer(draft), prompt,
+                 config(40, k=3, sampling=sampling, stop=(stop,)), char_tokenizer)
+    assert result.finish_reason == "stop"
+    assert result.text == text[:text.index(stop)]
+    assert result.token_ids == ids[:j + 2]
+
+
+def test_streamed_text_equals_final_text(char_tokenizer):
+    vocab = len(char_tokenizer)
+    target, draft = TableModel(vocab, seed=0, sharpness=0.5), TableModel(vocab, seed=2, sharpness=0.5)
+    events = decode(target, DraftModelProposer(draft), char_tokenizer.encode("ab"),
+                    config(40, k=3, sampling=SamplingParams(seed=5), stop=("hh",)), char_tokenizer)
+    streamed = []
+    while True:
+        try:
+            streamed.append(next(events).text)
+        except StopIteration as done:
+            result = done.value
+            break
+    assert "".join(streamed) == result.text

@@ -1,0 +1,56 @@
+import math
+
+import pytest
+import torch
+
+from specdecode.sampling import SamplingParams, adjust
+
+
+def test_greedy_is_one_hot_on_argmax_lowest_index_wins_ties():
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0]])
+    probs = adjust(logits, SamplingParams(temperature=0))
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    assert probs.dtype == torch.float32
+
+
+def test_temperature_is_softmax_of_scaled_logits():
+    logits = torch.tensor([1.0, 2.0, 3.0])
+    probs = adjust(logits, SamplingParams(temperature=0.5))
+    assert torch.allclose(probs, torch.softmax(logits / 0.5, -1))
+
+
+def test_top_k_keeps_k_most_likely_and_renormalizes():
+    logits = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))
+    probs = adjust(logits, SamplingParams(top_k=2))
+    assert torch.allclose(probs, torch.tensor([0.0, 4 / 7, 0.0, 3 / 7]))
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))
+    # 0.4 + 0.3 = 0.7 reaches 0.7: exactly two tokens kept
+    assert torch.allclose(adjust(logits, SamplingParams(top_p=0.7)), torch.tensor([0.0, 4 / 7, 0.0, 3 / 7]))
+    # 0.71 needs a third token
+    assert torch.allclose(adjust(logits, SamplingParams(top_p=0.71)), torch.tensor([0.0, 4 / 9, 2 / 9, 3 / 9]))
+    # a tiny top_p keeps only the top token
+    assert adjust(logits, SamplingParams(top_p=0.01)).tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_min_p_drops_tokens_below_fraction_of_top():
+    logits = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))
+    probs = adjust(logits, SamplingParams(min_p=0.4))  # threshold 0.16
+    assert torch.allclose(probs, torch.tensor([0.0, 4 / 9, 2 / 9, 3 / 9]))
+
+
+def test_filters_apply_per_row_in_a_batch():
+    logits = torch.randn(3, 5, 50, generator=torch.Generator().manual_seed(0))
+    probs = adjust(logits, SamplingParams(temperature=0.7, top_k=10, top_p=0.8))
+    assert probs.shape == logits.shape
+    assert torch.allclose(probs.sum(-1), torch.ones(3, 5))
+    assert ((probs > 0).sum(-1) <= 10).all()
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=math.nan), dict(top_p=0.0),
+                                    dict(top_p=1.5), dict(top_k=-1), dict(min_p=1.0), dict(min_p=-0.1)])
+def test_bad_sampling_params_raise(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
