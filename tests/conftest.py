@@ -4,7 +4,7 @@ import torch
 from specdecode.models import TableModel
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def char_tokenizer():
     """A tiny word-level tokenizer: ids 0..3 are specials, then one id per character of ALPHABET."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders

@@ -1,0 +1,160 @@
+"""SpeculativeDecoder and the CLI on tiny local models saved to disk (no network)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdecode import SamplingParams, SpeculativeDecoder
+from specdecode.cli import main
+
+from test_transformers import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, request):
+    """Target and draft (same char tokenizer) and an 'alien' model with another tokenizer."""
+    char_tokenizer = request.getfixturevalue("char_tokenizer")
+    root = tmp_path_factory.mktemp("models")
+    vocab = len(char_tokenizer)
+    dirs = {}
+    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
+        model = tiny_llama(seed, layers=layers, vocab=vocab)
+        model.save_pretrained(root / name)
+        char_tokenizer.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+    alien_tok = char_tokenizer.__class__(tokenizer_object=char_tokenizer.backend_tokenizer, eos_token="<eos>")
+    alien_tok.add_tokens(["zz"])
+    tiny_llama(2, layers=1, vocab=len(alien_tok)).save_pretrained(root / "alien")
+    alien_tok.save_pretrained(root / "alien")
+    dirs["alien"] = str(root / "alien")
+    return dirs
+
+
+@pytest.fixture
+def decoder(model_dirs):
+    return SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], num_speculative_tokens=3, dtype="float32")
+
+
+def test_generate_from_local_paths_equals_plain_greedy(decoder, model_dirs):
+    plain = SpeculativeDecoder(model_dirs["target"], None, dtype="float32")
+    greedy = SamplingParams(temperature=0)
+    spec_result = decoder.generate("abc", max_new_tokens=30, sampling=greedy)
+    plain_result = plain.generate("abc", max_new_tokens=30, sampling=greedy)
+    assert spec_result.token_ids == plain_result.token_ids
+    assert spec_result.text == plain_result.text
+    assert spec_result.stats.num_drafted > 0 and plain_result.stats.num_drafted == 0
+
+
+def test_stream_yields_the_same_text_as_the_result(decoder):
+    stream = decoder.generate("abc", max_new_tokens=20, sampling=SamplingParams(seed=1), stream=True)
+    text = "".join(event.text for event in stream)
+    again = decoder.generate("abc", max_new_tokens=20, sampling=SamplingParams(seed=1))
+    assert text == stream.result.text == again.text
+    assert stream.result.token_ids == again.token_ids
+
+
+def test_list_of_prompts_gives_each_prompt_its_own_result(decoder):
+    sampling = SamplingParams(seed=3)
+    batch = decoder.generate(["abc", [5, 6, 7, 8]], max_new_tokens=10, sampling=sampling)
+    assert [r.token_ids for r in batch] == [decoder.generate(p, max_new_tokens=10, sampling=sampling).token_ids
+                                            for p in ("abc", [5, 6, 7, 8])]
+
+
+def test_model_objects_need_a_tokenizer(model_dirs):
+    model = tiny_llama(0, vocab=14)
+    with pytest.raises(ValueError, match="tokenizer="):
+        SpeculativeDecoder(model, None)
+
+
+def test_different_tokenizers_are_refused(model_dirs):
+    with pytest.raises(ValueError, match="differs from target tokenizer"):
+        SpeculativeDecoder(model_dirs["target"], model_dirs["alien"], dtype="float32")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_speculative_tokens=0), "num_speculative_tokens"),
+    (dict(num_speculative_tokens=2.5), "num_speculative_tokens"),
+    (dict(dtype="int3"), "unknown dtype"),
+])
+def test_bad_constructor_arguments_raise(model_dirs, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], **kwargs)
+
+
+def test_unknown_model_path_and_offline_hub_id_raise_quickly():
+    with pytest.raises(ValueError, match="does not exist"):
+        SpeculativeDecoder("./no/such/model", None)
+    with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
+        SpeculativeDecoder("nobody-has/this-model-xyz", None)
+
+
+@pytest.mark.parametrize("prompt,kwargs,match", [
+    ("", {}, "prompt is empty"),
+    ([], {}, "prompt is empty"),
+    ([3, 999], {}, "outside the vocabulary"),
+    ("abc", dict(max_new_tokens=0), "max_new_tokens"),
+    ("abc", dict(stop=[""]), "non-empty"),
+    ("abc", dict(chat=True), "no chat template"),
+])
+def test_bad_generate_arguments_raise(decoder, prompt, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        decoder.generate(prompt, **kwargs)
+
+
+def test_prompt_longer_than_context_window_raises(decoder):
+    with pytest.raises(ValueError, match="context window"):
+        decoder.generate([5] * 300, max_new_tokens=4)
+
+
+def test_cli_json_output(model_dirs, capsys):
+    code = main(["generate", "abc", "--target", model_dirs["target"], "--draft", model_dirs["draft"],
+                 "--temperature", "0", "--max-new-tokens", "12", "--dtype", "float32", "--json", "--quiet"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"text", "token_ids", "finish_reason", "stats"}
+    assert len(out["token_ids"]) == 12 and out["finish_reason"] == "length"
+    assert out["stats"]["num_drafted"] > 0 and out["stats"]["lossy"] is False
+
+
+def test_cli_streams_text_and_prints_summary(model_dirs, tmp_path, capsys):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("abc")
+    code = main(["generate", f"@{prompt_file}", "--target", model_dirs["target"], "--draft", model_dirs["draft"],
+                 "--seed", "1", "--max-new-tokens", "8", "--dtype", "float32", "--show-tokens"])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "tokens/s" in captured.err and "acceptance rate" in captured.err
+    assert "\033[" in captured.out  # coloured by origin
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--temperature", "-1"], "temperature"),
+    (["-k", "0"], "num-speculative-tokens"),
+    (["--max-new-tokens", "0"], "max-new-tokens"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--stop", ""], "stop"),
+])
+def test_cli_usage_errors_exit_2_before_loading_models(args, match, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "hello"] + args)
+    assert exit_info.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_cli_empty_prompt_and_unknown_model_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", ""])
+    assert exit_info.value.code == 2
+    assert main(["generate", "hi", "--target", "./no/such/dir", "--draft", "none"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_help_explains_every_flag():
+    out = subprocess.run([sys.executable, "-m", "specdecode.cli", "generate", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    for flag in ("--target", "--draft", "--num-speculative-tokens", "--temperature", "--top-k", "--top-p",
+                 "--min-p", "--seed", "--max-new-tokens", "--stop", "--dtype", "--raw", "--show-tokens", "--json"):
+        assert flag in out

@@ -1,0 +1,81 @@
+"""Real transformers models (tiny, random, float32): greedy speculative decoding equals plain
+greedy decoding token for token, and transformers' own generate."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdecode import SamplingParams, SpeculativeDecoder
+from specdecode.decoding import DecodeConfig, run
+from specdecode.models import HFCausalLM
+from specdecode.proposers import DraftModelProposer
+
+VOCAB = 96
+
+
+def tiny_llama(seed, layers=2, hidden=64, vocab=VOCAB):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
+                         pad_token_id=None, tie_word_embeddings=False)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(0)
+    # A draft that agrees with the target often but not always: the target plus noise.
+    draft = tiny_llama(0)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(0.005 * torch.randn_like(param))
+    return target, draft
+
+
+PROMPT = [5, 17, 33, 2, 71, 40, 8]
+
+
+def greedy(n):
+    return DecodeConfig(max_new_tokens=n, sampling=SamplingParams(temperature=0), num_speculative_tokens=0)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_speculative_greedy_equals_plain_greedy_token_for_token(pair, k):
+    target, draft = pair
+    plain = run(HFCausalLM(target), None, PROMPT, greedy(64))
+    spec = run(HFCausalLM(target), DraftModelProposer(HFCausalLM(draft)), PROMPT,
+               DecodeConfig(max_new_tokens=64, sampling=SamplingParams(temperature=0), num_speculative_tokens=k))
+    assert spec.token_ids == plain.token_ids
+    # both paths were exercised: some drafts accepted, some rejected
+    assert 0 < spec.stats.num_accepted < spec.stats.num_drafted
+    assert spec.stats.num_target_calls < 64
+
+
+def test_plain_greedy_equals_transformers_generate(pair):
+    target, _ = pair
+    plain = run(HFCausalLM(target), None, PROMPT, greedy(32))
+    with torch.no_grad():
+        reference = target.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
+    assert plain.token_ids == reference[0, len(PROMPT):].tolist()
+
+
+def test_unrelated_draft_still_gives_target_greedy_output(pair):
+    target, _ = pair
+    other = tiny_llama(123, layers=1)
+    plain = run(HFCausalLM(target), None, PROMPT, greedy(40))
+    spec = run(HFCausalLM(target), DraftModelProposer(HFCausalLM(other)), PROMPT,
+               DecodeConfig(max_new_tokens=40, sampling=SamplingParams(temperature=0), num_speculative_tokens=4))
+    assert spec.token_ids == plain.token_ids
+
+
+def test_rollback_leaves_the_kv_cache_exactly_at_the_committed_length(pair):
+    target, draft = pair
+    backend = HFCausalLM(target)
+    backend.forward(torch.tensor(PROMPT), 1)
+    logits_full = backend.forward(torch.tensor([1, 2, 3, 4]), 4)
+    backend.truncate(len(PROMPT) + 1)
+    assert backend.cache.get_seq_length() == backend.length == len(PROMPT) + 1
+    again = backend.forward(torch.tensor([2, 9]), 2)
+    assert torch.allclose(again[0], logits_full[1], atol=1e-5)
