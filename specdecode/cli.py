@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"draft model, same forms as --target, or 'none' for plain decoding (default: {zoo.DEFAULT_DRAFT})")
     gen.add_argument("-k", "--num-speculative-tokens", type=int, default=4,
                      help="γ: draft tokens proposed per target call (default: 4)")
+    gen.add_argument("--draft-confidence", type=float, default=0.0,
+                     help="dynamic γ: stop drafting once the draft's probability of its own token falls "
+                          "below this, in [0, 1); exact either way (default: 0 = always draft γ tokens)")
     gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy (default: 1.0)")
     gen.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 = off (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off (default)")
@@ -76,6 +79,8 @@ def _generate(args, parser) -> int:
         parser.error(str(err))
     if args.num_speculative_tokens < 1:
         parser.error(f"-k/--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
+    if not 0 <= args.draft_confidence < 1:
+        parser.error(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if any(not s for s in args.stop):
@@ -91,6 +96,7 @@ def _generate(args, parser) -> int:
     try:
         decoder = SpeculativeDecoder(args.target, None if args.draft == "none" else args.draft,
                                      num_speculative_tokens=args.num_speculative_tokens,
+                                     draft_confidence=args.draft_confidence,
                                      dtype=args.dtype, progress=progress)
         stream = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                   stop=args.stop, stream=True, chat=False if args.raw else None)

@@ -124,7 +124,9 @@ class SpeculativeDecoder:
         draft: "default", a zoo name, path, hub id, PreTrainedModel, or None for plain decoding.
             It must use the target's tokenizer.
         tokenizer: the tokenizer for a target given as a loaded model.
-        num_speculative_tokens: γ, drafts per target call (>= 1).
+        num_speculative_tokens: γ, the most drafts per target call (>= 1).
+        draft_confidence: stop drafting early once the draft's probability of its own token is
+            below this (dynamic γ, exact); 0 always drafts γ tokens.
         dtype: "bfloat16" (default), "float32" or "float16" for models loaded by name.
         progress: called with one-line messages while models are assembled and loaded.
     Raises:
@@ -133,11 +135,14 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target="default", draft="default", *, tokenizer=None,
-                 num_speculative_tokens: int = 4, dtype=None,
+                 num_speculative_tokens: int = 4, draft_confidence: float = 0.0, dtype=None,
                  progress: Callable[[str], None] | None = None):
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
+        if not 0 <= draft_confidence < 1:
+            raise ValueError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
         self.num_speculative_tokens = num_speculative_tokens
+        self.draft_confidence = draft_confidence
         self.dtype = parse_dtype(dtype)
         target = zoo.DEFAULT_TARGET if target == "default" else target
         draft = zoo.DEFAULT_DRAFT if draft == "default" else draft
@@ -235,7 +240,8 @@ class SpeculativeDecoder:
                               num_speculative_tokens=self.num_speculative_tokens,
                               eos_token_ids=self.eos_token_ids, stop=stops)
         ids = self.encode(prompt, chat)
-        proposer = DraftModelProposer(self.draft.backend) if self.draft is not None else None
+        proposer = (DraftModelProposer(self.draft.backend, self.draft_confidence)
+                    if self.draft is not None else None)
         events = decode(self.target.backend, proposer, ids, config, self.tokenizer)
         if stream:
             return GenerationStream(events)

@@ -174,6 +174,7 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
         if k > 0:
             draft = proposer.propose(k)
             drafts = draft.tokens
+            k = len(drafts)  # a proposer may stop early (dynamic γ)
         else:
             drafts = prompt[:0]
         # 2 score: one target call over the pending token(s) and the k drafts

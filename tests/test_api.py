@@ -78,6 +78,7 @@ def test_different_tokenizers_are_refused(model_dirs):
     (dict(num_speculative_tokens=0), "num_speculative_tokens"),
     (dict(num_speculative_tokens=2.5), "num_speculative_tokens"),
     (dict(dtype="int3"), "unknown dtype"),
+    (dict(draft_confidence=1.0), "draft_confidence"),
 ])
 def test_bad_constructor_arguments_raise(model_dirs, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -136,6 +137,7 @@ def test_cli_streams_text_and_prints_summary(model_dirs, tmp_path, capsys):
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--top-p", "1.5"], "top_p"),
     (["--stop", ""], "stop"),
+    (["--draft-confidence", "1.2"], "draft-confidence"),
 ])
 def test_cli_usage_errors_exit_2_before_loading_models(args, match, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -156,5 +158,5 @@ def test_cli_help_explains_every_flag():
     out = subprocess.run([sys.executable, "-m", "specdecode.cli", "generate", "--help"],
                          capture_output=True, text=True, check=True).stdout
     for flag in ("--target", "--draft", "--num-speculative-tokens", "--temperature", "--top-k", "--top-p",
-                 "--min-p", "--seed", "--max-new-tokens", "--stop", "--dtype", "--raw", "--show-tokens", "--json"):
+                 "--min-p", "--seed", "--draft-confidence", "--max-new-tokens", "--stop", "--dtype", "--raw", "--show-tokens", "--json"):
         assert flag in out

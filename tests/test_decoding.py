@@ -158,3 +158,13 @@ def test_streamed_text_equals_final_text(char_tokenizer):
             result = done.value
             break
     assert "".join(streamed) == result.text
+
+
+def test_confidence_stop_drafts_fewer_tokens_and_keeps_greedy_output():
+    target, draft = TableModel(8, seed=0, sharpness=1.0), TableModel(8, seed=5, sharpness=1.0)
+    plain = run(target, None, [1, 2], config(60))
+    fixed = run(target, DraftModelProposer(draft), [1, 2], config(60, k=6))
+    early = run(target, DraftModelProposer(draft, confidence_threshold=0.6), [1, 2], config(60, k=6))
+    assert early.token_ids == fixed.token_ids == plain.token_ids
+    assert early.stats.num_drafted < fixed.stats.num_drafted
+    assert early.stats.acceptance_rate > fixed.stats.acceptance_rate

@@ -88,7 +88,7 @@ class MislabelledProposer(DraftModelProposer):
         return Draft(draft.tokens, torch.full_like(draft.probs, 1.0 / draft.probs.shape[-1]))
 
 
-def loop_sequence_counts(proposer_cls, params, runs, vocab=4, k=3, length=3):
+def loop_sequence_counts(make_proposer, params, runs, vocab=4, k=3, length=3):
     target = TableModel(vocab, order=2, seed=20, sharpness=1.5)
     draft = TableModel(vocab, order=2, seed=21, sharpness=1.5)
     counts = Counter()
@@ -96,7 +96,7 @@ def loop_sequence_counts(proposer_cls, params, runs, vocab=4, k=3, length=3):
         config = DecodeConfig(max_new_tokens=length, sampling=SamplingParams(
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed),
             num_speculative_tokens=k)
-        counts[tuple(run(target, proposer_cls(draft), [1, 2], config).token_ids)] += 1
+        counts[tuple(run(target, make_proposer(draft), [1, 2], config).token_ids)] += 1
     expected = target_sequence_probs(target, [1, 2], length, params)
     seqs = sorted(expected)
     return [counts[s] for s in seqs], [expected[s] for s in seqs]
@@ -106,10 +106,11 @@ STAT_PARAMS = [SamplingParams(), SamplingParams(top_k=3), SamplingParams(top_p=0
 
 
 @pytest.mark.parametrize("params", STAT_PARAMS, ids=["t1", "t1-topk3", "t1-topp0.9"])
-def test_decoding_loop_matches_target_distribution_chi_square(params):
+@pytest.mark.parametrize("confidence", [0.0, 0.5], ids=["fixed-gamma", "confidence-stop"])
+def test_decoding_loop_matches_target_distribution_chi_square(params, confidence):
     # 3000 seeded runs of the full loop (k=3, 3 tokens, vocab 4 → 64 sequences); the test fails
     # at significance 1e-3 (a correct implementation fails it 1 time in 1000).
-    observed, probs = loop_sequence_counts(DraftModelProposer, params, runs=3000)
+    observed, probs = loop_sequence_counts(lambda d: DraftModelProposer(d, confidence), params, runs=3000)
     assert chi2_pvalue(observed, probs) > 1e-3
 
 

@@ -40,11 +40,11 @@ def greedy(n):
     return DecodeConfig(max_new_tokens=n, sampling=SamplingParams(temperature=0), num_speculative_tokens=0)
 
 
-@pytest.mark.parametrize("k", [1, 3, 8])
-def test_speculative_greedy_equals_plain_greedy_token_for_token(pair, k):
+@pytest.mark.parametrize("k,confidence", [(1, 0.0), (3, 0.0), (8, 0.0), (8, 0.3)])
+def test_speculative_greedy_equals_plain_greedy_token_for_token(pair, k, confidence):
     target, draft = pair
     plain = run(HFCausalLM(target), None, PROMPT, greedy(64))
-    spec = run(HFCausalLM(target), DraftModelProposer(HFCausalLM(draft)), PROMPT,
+    spec = run(HFCausalLM(target), DraftModelProposer(HFCausalLM(draft), confidence), PROMPT,
                DecodeConfig(max_new_tokens=64, sampling=SamplingParams(temperature=0), num_speculative_tokens=k))
     assert spec.token_ids == plain.token_ids
     # both paths were exercised: some drafts accepted, some rejected

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from specdecode.proposers.base import Draft
 from specdecode.sampling import SamplingParams, adjust, sample
 
 
@@ -17,12 +18,21 @@ class DraftModelProposer:
     accepted block, the last draft); they go in with the first forward of the next proposal, so
     prefill and rollback cost no extra call.
 
+    Drafting stops early when the draft's own probability of the token it just chose falls below
+    `confidence_threshold` (dynamic γ). The stopping rule looks only at the draft's side, so the
+    output distribution is unchanged: each drafted position is still verified exactly.
+
     Args:
         backend: a model backend (specdecode.models) for the draft model.
+        confidence_threshold: in [0, 1); 0 always drafts k tokens. The confidence is the draft's
+            untempered softmax probability of the chosen token (also under greedy decoding).
     """
 
-    def __init__(self, backend):
+    def __init__(self, backend, confidence_threshold: float = 0.0):
+        if not 0 <= confidence_threshold < 1:
+            raise ValueError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
         self.backend = backend
+        self.confidence_threshold = confidence_threshold
         self.sampling = SamplingParams(temperature=0.0)
         self.generator: torch.Generator | None = None
         self.num_calls = 0
@@ -40,9 +50,7 @@ class DraftModelProposer:
         self.num_calls = 0
         self.time_s = 0.0
 
-    def propose(self, k: int):
-        from specdecode.proposers import Draft
-
+    def propose(self, k: int) -> Draft:
         start = time.perf_counter()
         self._committed = self.backend.length + len(self._pending)
         feed, tokens, probs = self._pending, [], []
@@ -54,6 +62,9 @@ class DraftModelProposer:
             tokens.append(token)
             probs.append(q)
             feed = [token]
+            if self.confidence_threshold and len(tokens) < k and \
+                    float(torch.softmax(logits, -1)[token]) < self.confidence_threshold:
+                break
         self._pending, self._drafts = [], tokens
         self.time_s += time.perf_counter() - start
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs))
