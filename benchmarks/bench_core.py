@@ -49,6 +49,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per prompt")
     parser.add_argument("--repeats", type=int, default=3, help="repeats (medians are over these)")
     parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6], help="γ values for (c)")
+    parser.add_argument("--dynamic", nargs="*", default=[], metavar="GAMMA:CONFIDENCE",
+                        help="extra (c) runs with dynamic γ: at most GAMMA drafts, stopping when the draft's "
+                             "confidence drops below CONFIDENCE, e.g. 10:0.4")
     parser.add_argument("--hf-assistant-tokens", type=int, nargs="*", default=[4],
                         help="constant num_assistant_tokens settings for (d); the 'heuristic' default always runs")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -63,9 +66,9 @@ def main() -> None:
     n = args.new_tokens
     greedy = SamplingParams(temperature=0.0)
 
-    def ours(gamma):
+    def ours(gamma, confidence=0.0):
         def go(ids):
-            proposer = DraftModelProposer(draft) if gamma else None
+            proposer = DraftModelProposer(draft, confidence) if gamma else None
             result = run(target, proposer, ids, DecodeConfig(max_new_tokens=n, sampling=greedy,
                                                               num_speculative_tokens=gamma))
             return result.token_ids, result.stats
@@ -88,6 +91,9 @@ def main() -> None:
     configs = {"(a) transformers generate, target alone": hf(), "(b) specdecode plain": ours(0)}
     for g in args.gammas:
         configs[f"(c) specdecode speculative γ={g}"] = ours(g)
+    for spec in args.dynamic:
+        g, conf = spec.split(":")
+        configs[f"(c) specdecode speculative γ≤{g}, draft confidence ≥ {conf}"] = ours(int(g), float(conf))
     configs["(d) transformers assisted, heuristic schedule"] = hf(draft_model, "heuristic", 20)
     for t in args.hf_assistant_tokens:
         configs[f"(d) transformers assisted, constant {t}"] = hf(draft_model, "constant", t)

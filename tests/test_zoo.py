@@ -1,0 +1,55 @@
+"""Assembling GGUF files from part packages: order, hash check, atomic write."""
+
+import hashlib
+import sys
+import types
+
+import pytest
+
+from specdecode import zoo
+
+
+@pytest.fixture
+def fake_parts(tmp_path, monkeypatch):
+    """Three fake part modules (fakepart1..3) holding bytes b'p1-', b'p2-', ... ; part10-style
+    ordering is covered by naming them numerically."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    data = b""
+    for i in range(1, 4):
+        path = tmp_path / f"part{i}.bin"
+        path.write_bytes(f"p{i}-".encode() * 1000)
+        data += path.read_bytes()
+        module = types.ModuleType(f"fakepart{i}")
+        module.get_part_path = (lambda p=path: str(p))
+        monkeypatch.setitem(sys.modules, f"fakepart{i}", module)
+    return data
+
+
+def fake_model(data, sha=None):
+    return zoo.ZooModel("fake", "fakepart{}", 3, "1.0", len(data),
+                        sha or hashlib.sha256(data).hexdigest(), "fake-part{}")
+
+
+def test_assembles_parts_in_order_and_checks_the_hash(fake_parts):
+    messages = []
+    path = zoo.assemble_gguf(fake_model(fake_parts), messages.append)
+    assert path.read_bytes() == fake_parts
+    assert len(messages) == 3
+    assert zoo.assemble_gguf(fake_model(fake_parts)) == path  # reused, not rebuilt
+
+
+def test_wrong_hash_raises_and_leaves_no_file_behind(fake_parts):
+    with pytest.raises(ValueError, match="corrupt"):
+        zoo.assemble_gguf(fake_model(fake_parts, sha="0" * 64))
+    assert list((zoo.cache_dir() / "gguf").iterdir()) == []
+
+
+def test_missing_part_package_names_what_to_install(fake_parts, monkeypatch):
+    monkeypatch.delitem(sys.modules, "fakepart2")
+    monkeypatch.setattr(sys, "path", [])
+    with pytest.raises(FileNotFoundError, match="fake-part2==1.0"):
+        zoo.assemble_gguf(fake_model(fake_parts))
+
+
+def test_default_pair_is_pinned():
+    assert zoo.ZOO[zoo.DEFAULT_TARGET].num_parts == 22 and zoo.ZOO[zoo.DEFAULT_DRAFT].num_parts == 6
