@@ -49,9 +49,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per prompt")
     parser.add_argument("--repeats", type=int, default=3, help="repeats (medians are over these)")
     parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6], help="γ values for (c)")
-    parser.add_argument("--dynamic", nargs="*", default=[], metavar="GAMMA:CONFIDENCE",
+    parser.add_argument("--dynamic", nargs="*", default=["8:0.4"], metavar="GAMMA:CONFIDENCE",
                         help="extra (c) runs with dynamic γ: at most GAMMA drafts, stopping when the draft's "
-                             "confidence drops below CONFIDENCE, e.g. 10:0.4")
+                             "confidence drops below CONFIDENCE (default: 8:0.4, the library's default)")
     parser.add_argument("--hf-assistant-tokens", type=int, nargs="*", default=[4],
                         help="constant num_assistant_tokens settings for (d); the 'heuristic' default always runs")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

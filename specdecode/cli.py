@@ -7,6 +7,7 @@ import json
 import sys
 
 from specdecode import zoo
+from specdecode.decoder import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_GAMMA
 from specdecode.decoding import ACCEPTED, BONUS, CORRECTED
 
 # Colours of the paper's Figure 1: green = accepted draft token, blue = target's correction
@@ -41,11 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
                           f"(default: {zoo.DEFAULT_TARGET})")
     gen.add_argument("--draft", default="default",
                      help=f"draft model, same forms as --target, or 'none' for plain decoding (default: {zoo.DEFAULT_DRAFT})")
-    gen.add_argument("-k", "--num-speculative-tokens", type=int, default=4,
-                     help="γ: draft tokens proposed per target call (default: 4)")
-    gen.add_argument("--draft-confidence", type=float, default=0.0,
+    gen.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_GAMMA,
+                     help=f"γ: the most draft tokens proposed per target call (default: {DEFAULT_GAMMA})")
+    gen.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
                      help="dynamic γ: stop drafting once the draft's probability of its own token falls "
-                          "below this, in [0, 1); exact either way (default: 0 = always draft γ tokens)")
+                          "below this, in [0, 1); exact either way; 0 always drafts γ tokens "
+                          f"(default: {DEFAULT_DRAFT_CONFIDENCE})")
     gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy (default: 1.0)")
     gen.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 = off (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off (default)")

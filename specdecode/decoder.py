@@ -16,6 +16,10 @@ from specdecode.models import HFCausalLM
 from specdecode.proposers import DraftModelProposer
 from specdecode.sampling import SamplingParams
 
+# The fastest exact configuration measured on the default pair (docs/benchmark_core.md): draft up
+# to 8 tokens, stopping once the draft is less than 40% sure of its own token.
+DEFAULT_GAMMA = 8
+DEFAULT_DRAFT_CONFIDENCE = 0.4
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -124,9 +128,9 @@ class SpeculativeDecoder:
         draft: "default", a zoo name, path, hub id, PreTrainedModel, or None for plain decoding.
             It must use the target's tokenizer.
         tokenizer: the tokenizer for a target given as a loaded model.
-        num_speculative_tokens: γ, the most drafts per target call (>= 1).
+        num_speculative_tokens: γ, the most drafts per target call (>= 1; default 8).
         draft_confidence: stop drafting early once the draft's probability of its own token is
-            below this (dynamic γ, exact); 0 always drafts γ tokens.
+            below this (dynamic γ, exact; default 0.4); 0 always drafts γ tokens.
         dtype: "bfloat16" (default), "float32" or "float16" for models loaded by name.
         progress: called with one-line messages while models are assembled and loaded.
     Raises:
@@ -135,7 +139,8 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target="default", draft="default", *, tokenizer=None,
-                 num_speculative_tokens: int = 4, draft_confidence: float = 0.0, dtype=None,
+                 num_speculative_tokens: int = DEFAULT_GAMMA, draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
+                 dtype=None,
                  progress: Callable[[str], None] | None = None):
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
