@@ -32,7 +32,7 @@ from specdecode import SamplingParams, zoo
 from specdecode.data import humaneval_prompts
 from specdecode.decoding import DecodeConfig, run
 from specdecode.models import HFCausalLM
-from specdecode.proposers import DraftModelProposer
+from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 
 
 def cpu_name() -> str:
@@ -49,9 +49,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per prompt")
     parser.add_argument("--repeats", type=int, default=3, help="repeats (medians are over these)")
     parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6], help="γ values for (c)")
-    parser.add_argument("--dynamic", nargs="*", default=["8:0.4"], metavar="GAMMA:CONFIDENCE",
-                        help="extra (c) runs with dynamic γ: at most GAMMA drafts, stopping when the draft's "
-                             "confidence drops below CONFIDENCE (default: 8:0.4, the library's default)")
+    parser.add_argument("--variants", nargs="*", metavar="SPEC",
+                        default=["g=8,conf=0.4", "g=8,conf=0.4,vocab=32768", "g=8,conf=0.4,vocab=32768,lookup"],
+                        help="extra (c) runs: g=MAX_GAMMA[,conf=DRAFT_CONFIDENCE][,vocab=DRAFT_VOCAB_LIMIT][,lookup]")
     parser.add_argument("--hf-assistant-tokens", type=int, nargs="*", default=[4],
                         help="constant num_assistant_tokens settings for (d); the 'heuristic' default always runs")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -61,14 +61,20 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     target_model, tokenizer = zoo.load_zoo_model(zoo.DEFAULT_TARGET, dtype, print)
     draft_model, _ = zoo.load_zoo_model(zoo.DEFAULT_DRAFT, dtype, print)
-    target, draft = HFCausalLM(target_model), HFCausalLM(draft_model)
+    target = HFCausalLM(target_model)
+    drafts = {None: HFCausalLM(draft_model)}
     prompts = [tokenizer.encode(p["prompt"]) for p in humaneval_prompts(args.prompts)]
     n = args.new_tokens
     greedy = SamplingParams(temperature=0.0)
 
-    def ours(gamma, confidence=0.0):
+    def ours(gamma, conf=0.0, vocab=None, lookup=False):
+        if vocab not in drafts:
+            drafts[vocab] = HFCausalLM(draft_model, vocab_limit=vocab)
+
         def go(ids):
-            proposer = DraftModelProposer(draft, confidence) if gamma else None
+            proposer = DraftModelProposer(drafts[vocab], conf) if gamma else None
+            if lookup:
+                proposer = PromptLookupProposer(target.vocab_size, fallback=proposer)
             result = run(target, proposer, ids, DecodeConfig(max_new_tokens=n, sampling=greedy,
                                                               num_speculative_tokens=gamma))
             return result.token_ids, result.stats
@@ -91,9 +97,11 @@ def main() -> None:
     configs = {"(a) transformers generate, target alone": hf(), "(b) specdecode plain": ours(0)}
     for g in args.gammas:
         configs[f"(c) specdecode speculative γ={g}"] = ours(g)
-    for spec in args.dynamic:
-        g, conf = spec.split(":")
-        configs[f"(c) specdecode speculative γ≤{g}, draft confidence ≥ {conf}"] = ours(int(g), float(conf))
+    for spec in args.variants:
+        opts = dict(item.split("=") if "=" in item else (item, "1") for item in spec.split(","))
+        configs[f"(c) specdecode speculative {spec}"] = ours(
+            int(opts["g"]), float(opts.get("conf", 0)), int(opts["vocab"]) if "vocab" in opts else None,
+            "lookup" in opts)
     configs["(d) transformers assisted, heuristic schedule"] = hf(draft_model, "heuristic", 20)
     for t in args.hf_assistant_tokens:
         configs[f"(d) transformers assisted, constant {t}"] = hf(draft_model, "constant", t)

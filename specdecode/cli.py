@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="dynamic γ: stop drafting once the draft's probability of its own token falls "
                           "below this, in [0, 1); exact either way; 0 always drafts γ tokens "
                           f"(default: {DEFAULT_DRAFT_CONFIDENCE})")
+    gen.add_argument("--draft-vocab-limit", type=int, default=None, metavar="N",
+                     help="the draft scores only token ids below N: a cheaper LM head, still exact "
+                          "(default: the whole vocabulary)")
+    gen.add_argument("--prompt-lookup", action="store_true",
+                     help="first copy what followed an earlier occurrence of the last tokens (free drafts); "
+                          "the draft model serves the other steps; with --draft none, lookup alone")
     gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy (default: 1.0)")
     gen.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 = off (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off (default)")
@@ -83,6 +89,8 @@ def _generate(args, parser) -> int:
         parser.error(f"-k/--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
     if not 0 <= args.draft_confidence < 1:
         parser.error(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
+    if args.draft_vocab_limit is not None and args.draft_vocab_limit < 1:
+        parser.error(f"--draft-vocab-limit must be >= 1, got {args.draft_vocab_limit}")
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if any(not s for s in args.stop):
@@ -99,6 +107,7 @@ def _generate(args, parser) -> int:
         decoder = SpeculativeDecoder(args.target, None if args.draft == "none" else args.draft,
                                      num_speculative_tokens=args.num_speculative_tokens,
                                      draft_confidence=args.draft_confidence,
+                                     draft_vocab_limit=args.draft_vocab_limit, prompt_lookup=args.prompt_lookup,
                                      dtype=args.dtype, progress=progress)
         stream = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                   stop=args.stop, stream=True, chat=False if args.raw else None)

@@ -13,7 +13,7 @@ import torch
 from specdecode import zoo
 from specdecode.decoding import DecodeConfig, GenerationResult, TokenEvent, decode
 from specdecode.models import HFCausalLM
-from specdecode.proposers import DraftModelProposer
+from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 
 # The fastest exact configuration measured on the default pair (docs/benchmark_core.md): draft up
@@ -131,6 +131,11 @@ class SpeculativeDecoder:
         num_speculative_tokens: γ, the most drafts per target call (>= 1; default 8).
         draft_confidence: stop drafting early once the draft's probability of its own token is
             below this (dynamic γ, exact; default 0.4); 0 always drafts γ tokens.
+        draft_vocab_limit: the draft scores only token ids below this (a cheaper LM head; exact,
+            since q is zero elsewhere); None scores the whole vocabulary.
+        prompt_lookup: first try to copy the continuation of an earlier occurrence of the last
+            tokens (paper §3.6, free drafts); the draft model serves the other steps. With
+            draft=None, lookup is the only proposer.
         dtype: "bfloat16" (default), "float32" or "float16" for models loaded by name.
         progress: called with one-line messages while models are assembled and loaded.
     Raises:
@@ -140,14 +145,17 @@ class SpeculativeDecoder:
 
     def __init__(self, target="default", draft="default", *, tokenizer=None,
                  num_speculative_tokens: int = DEFAULT_GAMMA, draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
-                 dtype=None,
+                 draft_vocab_limit: int | None = None, prompt_lookup: bool = False, dtype=None,
                  progress: Callable[[str], None] | None = None):
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
         if not 0 <= draft_confidence < 1:
             raise ValueError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
+        if draft_vocab_limit is not None and (not isinstance(draft_vocab_limit, int) or draft_vocab_limit < 1):
+            raise ValueError(f"draft_vocab_limit must be a positive integer or None, got {draft_vocab_limit!r}")
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_confidence = draft_confidence
+        self.prompt_lookup = prompt_lookup
         self.dtype = parse_dtype(dtype)
         target = zoo.DEFAULT_TARGET if target == "default" else target
         draft = zoo.DEFAULT_DRAFT if draft == "default" else draft
@@ -158,17 +166,17 @@ class SpeculativeDecoder:
         self.tokenizer = self.target.tokenizer
         self.draft = None
         if draft is not None:
-            self.draft = self._load(draft, tokenizer or self.tokenizer, progress)
+            self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
         self.eos_token_ids = self._eos_ids(self.target.backend.model, self.tokenizer)
 
-    def _load(self, spec, tokenizer, progress) -> _Loaded:
+    def _load(self, spec, tokenizer, progress, vocab_limit=None) -> _Loaded:
         if isinstance(spec, torch.nn.Module):
             if tokenizer is None:
                 raise ValueError("a target given as a loaded model needs tokenizer=")
-            return _Loaded(HFCausalLM(spec), tokenizer, type(spec).__name__)
+            return _Loaded(HFCausalLM(spec, vocab_limit), tokenizer, type(spec).__name__)
         model, tok, name = load_model(spec, self.dtype, progress)
-        return _Loaded(HFCausalLM(model), tok, name)
+        return _Loaded(HFCausalLM(model, vocab_limit), tok, name)
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> frozenset[int]:
@@ -179,6 +187,13 @@ class SpeculativeDecoder:
             elif value:
                 ids.update(value)
         return frozenset(ids)
+
+    def _proposer(self):
+        proposer = (DraftModelProposer(self.draft.backend, self.draft_confidence)
+                    if self.draft is not None else None)
+        if self.prompt_lookup:
+            proposer = PromptLookupProposer(self.target.backend.vocab_size, fallback=proposer)
+        return proposer
 
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
         """A string (chat template applied per `chat`) or token ids → validated token ids.
@@ -245,8 +260,7 @@ class SpeculativeDecoder:
                               num_speculative_tokens=self.num_speculative_tokens,
                               eos_token_ids=self.eos_token_ids, stop=stops)
         ids = self.encode(prompt, chat)
-        proposer = (DraftModelProposer(self.draft.backend, self.draft_confidence)
-                    if self.draft is not None else None)
+        proposer = self._proposer()
         events = decode(self.target.backend, proposer, ids, config, self.tokenizer)
         if stream:
             return GenerationStream(events)

@@ -48,6 +48,17 @@ def test_generate_from_local_paths_equals_plain_greedy(decoder, model_dirs):
     assert spec_result.stats.num_drafted > 0 and plain_result.stats.num_drafted == 0
 
 
+def test_every_proposer_option_keeps_the_greedy_output(model_dirs):
+    greedy = SamplingParams(temperature=0)
+    plain = SpeculativeDecoder(model_dirs["target"], None, dtype="float32").generate("abcab", max_new_tokens=30,
+                                                                                    sampling=greedy)
+    for kwargs in (dict(draft_vocab_limit=10), dict(prompt_lookup=True), dict(draft=None, prompt_lookup=True),
+                   dict(draft_confidence=0.0, num_speculative_tokens=2)):
+        kwargs.setdefault("draft", model_dirs["draft"])
+        decoder = SpeculativeDecoder(model_dirs["target"], dtype="float32", **kwargs)
+        assert decoder.generate("abcab", max_new_tokens=30, sampling=greedy).token_ids == plain.token_ids, kwargs
+
+
 def test_stream_yields_the_same_text_as_the_result(decoder):
     stream = decoder.generate("abc", max_new_tokens=20, sampling=SamplingParams(seed=1), stream=True)
     text = "".join(event.text for event in stream)
@@ -79,6 +90,7 @@ def test_different_tokenizers_are_refused(model_dirs):
     (dict(num_speculative_tokens=2.5), "num_speculative_tokens"),
     (dict(dtype="int3"), "unknown dtype"),
     (dict(draft_confidence=1.0), "draft_confidence"),
+    (dict(draft_vocab_limit=0), "draft_vocab_limit"),
 ])
 def test_bad_constructor_arguments_raise(model_dirs, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -138,6 +150,7 @@ def test_cli_streams_text_and_prints_summary(model_dirs, tmp_path, capsys):
     (["--top-p", "1.5"], "top_p"),
     (["--stop", ""], "stop"),
     (["--draft-confidence", "1.2"], "draft-confidence"),
+    (["--draft-vocab-limit", "0"], "draft-vocab-limit"),
 ])
 def test_cli_usage_errors_exit_2_before_loading_models(args, match, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -158,5 +171,5 @@ def test_cli_help_explains_every_flag():
     out = subprocess.run([sys.executable, "-m", "specdecode.cli", "generate", "--help"],
                          capture_output=True, text=True, check=True).stdout
     for flag in ("--target", "--draft", "--num-speculative-tokens", "--temperature", "--top-k", "--top-p",
-                 "--min-p", "--seed", "--draft-confidence", "--max-new-tokens", "--stop", "--dtype", "--raw", "--show-tokens", "--json"):
+                 "--min-p", "--seed", "--draft-confidence", "--draft-vocab-limit", "--prompt-lookup", "--max-new-tokens", "--stop", "--dtype", "--raw", "--show-tokens", "--json"):
         assert flag in out

@@ -5,7 +5,7 @@ import torch
 
 from specdecode.decoding import ACCEPTED, BONUS, CORRECTED, TARGET, DecodeConfig, decode, run
 from specdecode.models import TableModel
-from specdecode.proposers import DraftModelProposer
+from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -64,12 +64,16 @@ class CheckedTable(TableModel):
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(seed=1)], ids=["greedy", "t1"])
-def test_caches_hold_exactly_the_committed_prefix_after_every_step(sampling):
+@pytest.mark.parametrize("lookup", [False, True], ids=["draft", "lookup+draft"])
+def test_caches_hold_exactly_the_committed_prefix_after_every_step(sampling, lookup):
     prompt = [1, 2, 3]
     committed = list(prompt)
     target = CheckedTable(8, seed=0, committed=committed)
     draft = CheckedTable(8, seed=7, committed=committed)
-    for event in decode(target, DraftModelProposer(draft), prompt, config(60, k=3, sampling=sampling)):
+    proposer = DraftModelProposer(draft)
+    if lookup:  # the draft model sits out the steps that lookup serves, then catches up
+        proposer = PromptLookupProposer(8, max_ngram=2, min_ngram=1, fallback=proposer)
+    for event in decode(target, proposer, prompt, config(60, k=3, sampling=sampling)):
         committed.append(event.token_id)
     assert len(committed) == len(prompt) + 60
     # Target: each call starts from the committed sequence minus its last token, fed first.
@@ -83,8 +87,11 @@ def test_caches_hold_exactly_the_committed_prefix_after_every_step(sampling):
     first_forward_of_step = {}
     for cache, fed, n in draft.snapshots:
         first_forward_of_step.setdefault(n, (cache, fed))
-    steps_with_drafts = sum(len(fed) > 1 for _, fed, _ in target.snapshots[1:]) + 1
-    assert len(first_forward_of_step) == steps_with_drafts
+    if not lookup:
+        steps_with_drafts = sum(len(fed) > 1 for _, fed, _ in target.snapshots[1:]) + 1
+        assert len(first_forward_of_step) == steps_with_drafts
+    else:
+        assert proposer.num_lookups > 0 and len(first_forward_of_step) < len(target.snapshots)
     for n, (cache, fed) in first_forward_of_step.items():
         assert cache + fed == committed[:n]
 
@@ -168,3 +175,21 @@ def test_confidence_stop_drafts_fewer_tokens_and_keeps_greedy_output():
     assert early.token_ids == fixed.token_ids == plain.token_ids
     assert early.stats.num_drafted < fixed.stats.num_drafted
     assert early.stats.acceptance_rate > fixed.stats.acceptance_rate
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    proposer = PromptLookupProposer(10, max_ngram=3, min_ngram=1)
+    proposer.start(torch.tensor([1, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3]))
+    draft = proposer.propose(3)
+    assert draft.tokens.tolist() == [5, 6, 2]  # latest "2 3" is followed by 5 6 2
+    assert torch.equal(draft.probs, torch.nn.functional.one_hot(draft.tokens, 10).float())
+    proposer.start(torch.tensor([1, 2, 3]))
+    assert proposer.propose(3).tokens.numel() == 0  # no match and no fallback: nothing proposed
+
+
+def test_prompt_lookup_alone_keeps_greedy_output():
+    target = TableModel(5, seed=0, sharpness=1.0)
+    plain = run(target, None, [1, 2, 3, 1, 2], config(60))
+    spec = run(target, PromptLookupProposer(5, max_ngram=3, min_ngram=1), [1, 2, 3, 1, 2], config(60, k=4))
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.num_accepted > 0 and spec.stats.num_target_calls < 60

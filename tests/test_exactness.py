@@ -9,7 +9,7 @@ import torch
 
 from specdecode.decoding import DecodeConfig, run
 from specdecode.models import TableModel
-from specdecode.proposers import Draft, DraftModelProposer
+from specdecode.proposers import Draft, DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams, adjust
 from specdecode.verify import acceptance_probs, residual_distribution
 
@@ -106,11 +106,15 @@ STAT_PARAMS = [SamplingParams(), SamplingParams(top_k=3), SamplingParams(top_p=0
 
 
 @pytest.mark.parametrize("params", STAT_PARAMS, ids=["t1", "t1-topk3", "t1-topp0.9"])
-@pytest.mark.parametrize("confidence", [0.0, 0.5], ids=["fixed-gamma", "confidence-stop"])
-def test_decoding_loop_matches_target_distribution_chi_square(params, confidence):
+@pytest.mark.parametrize("make_proposer", [
+    lambda d: DraftModelProposer(d),
+    lambda d: DraftModelProposer(d, confidence_threshold=0.5),
+    lambda d: PromptLookupProposer(4, max_ngram=2, min_ngram=1, fallback=DraftModelProposer(d)),
+], ids=["fixed-gamma", "confidence-stop", "lookup+draft"])
+def test_decoding_loop_matches_target_distribution_chi_square(params, make_proposer):
     # 3000 seeded runs of the full loop (k=3, 3 tokens, vocab 4 → 64 sequences); the test fails
     # at significance 1e-3 (a correct implementation fails it 1 time in 1000).
-    observed, probs = loop_sequence_counts(lambda d: DraftModelProposer(d, confidence), params, runs=3000)
+    observed, probs = loop_sequence_counts(make_proposer, params, runs=3000)
     assert chi2_pvalue(observed, probs) > 1e-3
 
 

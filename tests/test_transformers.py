@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdecode import SamplingParams, SpeculativeDecoder
 from specdecode.decoding import DecodeConfig, run
 from specdecode.models import HFCausalLM
-from specdecode.proposers import DraftModelProposer
+from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 
 VOCAB = 96
 
@@ -59,6 +59,24 @@ def test_plain_greedy_equals_transformers_generate(pair):
         reference = target.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False,
                                     eos_token_id=None, pad_token_id=0)
     assert plain.token_ids == reference[0, len(PROMPT):].tolist()
+
+
+def test_lookup_with_vocab_limited_draft_keeps_greedy_output(pair):
+    target, draft = pair
+    plain = run(HFCausalLM(target), None, PROMPT, greedy(64))
+    proposer = PromptLookupProposer(VOCAB, fallback=DraftModelProposer(HFCausalLM(draft, vocab_limit=64), 0.3))
+    spec = run(HFCausalLM(target), proposer, PROMPT,
+               DecodeConfig(max_new_tokens=64, sampling=SamplingParams(temperature=0), num_speculative_tokens=6))
+    assert spec.token_ids == plain.token_ids
+    assert proposer.num_lookups > 0 and spec.stats.num_accepted > 0
+
+
+def test_vocab_limited_backend_returns_the_first_rows_of_the_full_logits(pair):
+    target, _ = pair
+    full = HFCausalLM(target).forward(torch.tensor(PROMPT), 3)
+    limited = HFCausalLM(target, vocab_limit=40).forward(torch.tensor(PROMPT), 3)
+    assert limited.shape == (3, 40)
+    assert torch.allclose(limited, full[:, :40], atol=1e-5)
 
 
 def test_unrelated_draft_still_gives_target_greedy_output(pair):

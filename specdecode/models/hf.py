@@ -10,18 +10,33 @@ class HFCausalLM:
 
     Args:
         model: a loaded causal LM; it is put in eval mode, never otherwise modified.
+        vocab_limit: score only token ids below this (for a draft model: the LM head of a small
+            model is a large share of its cost). BPE vocabularies put frequent tokens first, so
+            a draft that never proposes rare ids loses little acceptance; its q is zero there,
+            and the verifier stays exact (DESIGN.md rule 6). None scores the whole vocabulary.
     Attributes:
         vocab_size: V, the width of the logits (the embedding table's size, which may exceed
-            the tokenizer's length: rule 6).
+            the tokenizer's length: rule 6), or vocab_limit.
         max_length: the model's context window (max_position_embeddings), or None.
+    Raises:
+        ValueError: vocab_limit on a model whose LM head is not a plain linear layer.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, vocab_limit: int | None = None):
         from transformers import DynamicCache
 
         self.model = model.eval()
         self._cache_class = DynamicCache
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        head = model.get_output_embeddings()
+        self.vocab_size = head.weight.shape[0]
+        self._head_weight = None
+        if vocab_limit is not None and vocab_limit < self.vocab_size:
+            scaled = any(getattr(model.config, a, None) for a in ("final_logit_softcapping", "logit_scale"))
+            if not isinstance(head, torch.nn.Linear) or head.bias is not None or scaled:
+                raise ValueError(f"vocab_limit needs a plain linear LM head; {type(model).__name__} has another")
+            # A view of the first rows: no copy, and the user's model is untouched.
+            self._head_weight = head.weight[:vocab_limit]
+            self.vocab_size = vocab_limit
         self.max_length = getattr(model.config, "max_position_embeddings", None)
         self.reset()
 
@@ -37,6 +52,11 @@ class HFCausalLM:
     def forward(self, tokens: torch.Tensor, num_logits: int) -> torch.Tensor:
         """Append tokens [T] int64; return the next-token logits after each of the last
         `num_logits` of them, [num_logits, V] float32 (the LM head runs only there)."""
+        if self._head_weight is not None:
+            hidden = self.model.get_decoder()(input_ids=tokens.view(1, -1), cache=self.cache,
+                                              use_cache=True).last_hidden_state
+            self._length += tokens.numel()
+            return torch.nn.functional.linear(hidden[0, -num_logits:], self._head_weight).float()
         out = self.model(input_ids=tokens.view(1, -1), cache=self.cache, use_cache=True,
                          logits_to_keep=num_logits)
         self._length += tokens.numel()
