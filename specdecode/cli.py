@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from specdecode import zoo
@@ -17,8 +18,9 @@ RESET = "\033[0m"
 
 
 def _read_prompt(arg: str) -> str:
+    """Raises OSError or UnicodeDecodeError (the input must be UTF-8)."""
     if arg == "-":
-        return sys.stdin.read()
+        return sys.stdin.buffer.read().decode("utf-8")
     if arg.startswith("@"):
         with open(arg[1:], encoding="utf-8") as f:
             return f.read()
@@ -97,8 +99,8 @@ def _generate(args, parser) -> int:
         parser.error("--stop takes non-empty text")
     try:
         prompt = _read_prompt(args.prompt)
-    except OSError as err:
-        parser.error(f"cannot read prompt file: {err}")
+    except (OSError, UnicodeDecodeError) as err:
+        parser.error(f"cannot read the prompt: {err}")
     if not prompt:
         parser.error("the prompt is empty")
 
@@ -142,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "generate":
-        return _generate(args, parser)
+        try:
+            return _generate(args, parser)
+        except BrokenPipeError:  # e.g. `specdecode generate ... | head`: the reader left
+            sys.stdout = open(os.devnull, "w")
+            return 0
     return 2
 
 

@@ -3,6 +3,7 @@ at the boundary, and runs the decoding loop (specdecode.decoding)."""
 
 from __future__ import annotations
 
+import operator
 import os
 import socket
 from dataclasses import dataclass
@@ -109,14 +110,35 @@ class _Loaded:
 
 
 class GenerationStream:
-    """Iterate for TokenEvents as tokens are accepted; `.result` is set once iteration ends."""
+    """Iterate (once) for TokenEvents as tokens are accepted; `.result` is set when it ends.
 
-    def __init__(self, events: Iterator[TokenEvent]):
+    Raises (while iterating):
+        RuntimeError: iterated a second time, or another generate() call on the same decoder
+            took over its models' caches before this stream finished.
+    """
+
+    def __init__(self, events: Iterator[TokenEvent], decoder: "SpeculativeDecoder"):
         self._events = events
+        self._decoder = decoder
+        self._started = False
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[TokenEvent]:
-        self.result = yield from self._events
+        if self._started:
+            raise RuntimeError("a GenerationStream can be iterated only once")
+        self._started = True
+        while True:
+            # The target and draft caches belong to the decoder, not to the stream: a stream that
+            # resumed after another request reset them would continue from the wrong prefix.
+            if self._decoder._owner is not self:
+                raise RuntimeError("another generate() call on this decoder started before this stream "
+                                   "finished; finish a stream before starting the next request")
+            try:
+                event = next(self._events)
+            except StopIteration as done:
+                self.result = done.value
+                return
+            yield event
 
 
 class SpeculativeDecoder:
@@ -126,7 +148,8 @@ class SpeculativeDecoder:
         target: "default" (the zoo pair's target), a zoo name, a local path, a hub id, or a loaded
             transformers PreTrainedModel (then `tokenizer` is required).
         draft: "default", a zoo name, path, hub id, PreTrainedModel, or None for plain decoding.
-            It must use the target's tokenizer.
+            It must use the target's tokenizer (checked for drafts loaded by name or path; a
+            draft given as a loaded model is taken to share the target's tokenizer).
         tokenizer: the tokenizer for a target given as a loaded model.
         num_speculative_tokens: γ, the most drafts per target call (>= 1; default 8).
         draft_confidence: stop drafting early once the draft's probability of its own token is
@@ -147,7 +170,8 @@ class SpeculativeDecoder:
                  num_speculative_tokens: int = DEFAULT_GAMMA, draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
                  draft_vocab_limit: int | None = None, prompt_lookup: bool = False, dtype=None,
                  progress: Callable[[str], None] | None = None):
-        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
+        if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool) \
+                or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
         if not 0 <= draft_confidence < 1:
             raise ValueError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
@@ -169,6 +193,7 @@ class SpeculativeDecoder:
             self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
         self.eos_token_ids = self._eos_ids(self.target.backend.model, self.tokenizer)
+        self._owner: GenerationStream | None = None
 
     def _load(self, spec, tokenizer, progress, vocab_limit=None) -> _Loaded:
         if isinstance(spec, torch.nn.Module):
@@ -217,7 +242,13 @@ class SpeculativeDecoder:
             else:
                 ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
-            ids = [int(t) for t in prompt]
+            try:
+                ids = [operator.index(t) for t in prompt]  # ints, numpy ints, 0-d int tensors
+            except TypeError:
+                raise ValueError("a token-id prompt must be a list of integers, got "
+                                 f"{[type(t).__name__ for t in prompt][:5]}") from None
+            if any(isinstance(t, bool) for t in prompt):
+                raise ValueError("a token-id prompt must be a list of integers, not booleans")
         if not ids:
             raise ValueError("prompt is empty; give at least one character or token id")
         bad = [t for t in ids if not 0 <= t < self.target.backend.vocab_size]
@@ -246,12 +277,14 @@ class SpeculativeDecoder:
         Raises:
             ValueError: bad prompt, max_new_tokens < 1, empty stop string.
         """
-        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple)):
             if stream:
                 raise ValueError("stream=True takes one prompt, not a list")
+            for p in prompt:  # validate every prompt before generating any
+                self.encode(p, chat)
             return [self.generate(p, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, chat=chat)
                     for p in prompt]
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not s for s in stops):
@@ -260,11 +293,11 @@ class SpeculativeDecoder:
                               num_speculative_tokens=self.num_speculative_tokens,
                               eos_token_ids=self.eos_token_ids, stop=stops)
         ids = self.encode(prompt, chat)
-        proposer = self._proposer()
-        events = decode(self.target.backend, proposer, ids, config, self.tokenizer)
+        events = decode(self.target.backend, self._proposer(), ids, config, self.tokenizer)
+        stream_ = GenerationStream(events, self)
+        self._owner = stream_
         if stream:
-            return GenerationStream(events)
-        streamed = GenerationStream(events)
-        for _ in streamed:
+            return stream_
+        for _ in stream_:
             pass
-        return streamed.result
+        return stream_.result

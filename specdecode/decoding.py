@@ -169,7 +169,8 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
         # γ is clipped so that the block fits max_new_tokens and the context window (rule 4).
         k = min(k_max, config.max_new_tokens - len(out.token_ids) - 1)
         if target.max_length is not None:
-            k = min(k, target.max_length - committed)
+            # the block may end with a bonus token: committed + k + 1 must fit, as in plain decoding
+            k = min(k, target.max_length - committed - 1)
         # 1 propose
         if k > 0:
             draft = proposer.propose(k)
@@ -177,9 +178,12 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
             k = len(drafts)  # a proposer may stop early (dynamic γ)
         else:
             drafts = prompt[:0]
-        # 2 score: one target call over the pending token(s) and the k drafts
+        # 2 score: one target call over the pending token(s) and the k drafts. A draft id beyond
+        # the target's vocabulary (a larger draft embedding table) is fed as 0: the verifier
+        # rejects it anyway, and the positions after it are discarded.
         t0 = time.perf_counter()
-        p = adjust(target.forward(torch.cat([pending, drafts]), k + 1), config.sampling)  # [k+1, V]
+        fed = torch.where(drafts < target.vocab_size, drafts, 0)
+        p = adjust(target.forward(torch.cat([pending, fed]), k + 1), config.sampling)  # [k+1, V]
         stats.time_target_s += time.perf_counter() - t0
         stats.num_target_calls += 1
         # 3 accept
@@ -189,17 +193,21 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
         else:
             n = 0
             token = int(p[0].argmax()) if config.sampling.greedy else int(sample(p[0], generator))
-        stats.num_drafted += k
-        stats.num_accepted += n
-        for i in range(n):
-            stats.accepted_per_position[i] += 1
         # 4 commit, token by token, until a stop
         new_tokens = drafts[:n].tolist() + [token]
         origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]
+        pushed = 0
         for token_id, origin in zip(new_tokens, origins):
             yield out.push(token_id, origin)
+            pushed += 1
             if out.finish_reason is not None:
                 break
+        # 5 record: a stop on an accepted draft ends the block there; nothing after it counts
+        counted = pushed if pushed <= n else k
+        stats.num_drafted += counted
+        stats.num_accepted += min(n, pushed)
+        for i in range(min(n, pushed)):
+            stats.accepted_per_position[i] += 1
         target.truncate(committed + n)
         if proposer is not None:
             proposer.commit(n, new_tokens)

@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -15,7 +21,7 @@ class SamplingParams:
     """How to turn logits into the distribution that is sampled (paper §2.2).
 
     temperature: 0 means greedy (a one-hot distribution on the argmax, lowest id wins ties).
-    top_k: keep the k most likely tokens; 0 keeps all.
+    top_k: keep the k most likely tokens (and any tied with the k-th); 0 keeps all.
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 keeps all.
     min_p: drop tokens whose probability is below min_p × the top token's; 0.0 keeps all.
     seed: seeds the request's torch.Generator; None draws a fresh seed.
@@ -31,14 +37,16 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:  # also catches NaN
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not 0 <= self.temperature < math.inf:  # also catches NaN
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -59,7 +67,8 @@ def adjust(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    # Subtract the max before dividing: a tiny temperature would otherwise overflow to inf − inf.
+    probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / params.temperature, dim=-1)
     if params.top_k and params.top_k < probs.shape[-1]:
         kth = probs.topk(params.top_k, dim=-1).values[..., -1:]
         probs = _renormalize(probs.masked_fill(probs < kth, 0.0))

@@ -173,3 +173,50 @@ def test_cli_help_explains_every_flag():
     for flag in ("--target", "--draft", "--num-speculative-tokens", "--temperature", "--top-k", "--top-p",
                  "--min-p", "--seed", "--draft-confidence", "--draft-vocab-limit", "--prompt-lookup", "--max-new-tokens", "--stop", "--dtype", "--raw", "--show-tokens", "--json"):
         assert flag in out
+
+
+def test_a_stream_interrupted_by_another_request_raises_instead_of_continuing_wrongly(decoder):
+    stream = decoder.generate("abc", max_new_tokens=20, sampling=SamplingParams(temperature=0), stream=True)
+    events = iter(stream)
+    next(events)
+    decoder.generate("hhh", max_new_tokens=5)
+    with pytest.raises(RuntimeError, match="another generate"):
+        next(events)
+    # a finished stream cannot be iterated again
+    done = decoder.generate("abc", max_new_tokens=3, stream=True)
+    list(done)
+    with pytest.raises(RuntimeError, match="only once"):
+        list(done)
+    assert done.result is not None
+
+
+def test_token_ids_of_any_integer_type_are_accepted_and_others_refused(decoder):
+    import numpy as np
+
+    sampling = SamplingParams(temperature=0)
+    reference = decoder.generate([5, 6, 7], max_new_tokens=4, sampling=sampling).token_ids
+    assert decoder.generate(list(np.array([5, 6, 7])), max_new_tokens=4, sampling=sampling).token_ids == reference
+    assert decoder.generate(list(torch.tensor([5, 6, 7])), max_new_tokens=4, sampling=sampling).token_ids == reference
+    for bad in ([5, 6.9], [True, 5]):
+        with pytest.raises(ValueError, match="list of integers"):
+            decoder.generate(bad, max_new_tokens=4)
+
+
+def test_a_batch_is_validated_before_anything_is_generated(decoder):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        decoder.generate(["abc", ""], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kwargs", [dict(seed=1.5), dict(seed=2**70), dict(top_k=True), dict(temperature=float("inf"))])
+def test_bad_seed_and_booleans_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_cli_refuses_a_prompt_file_that_is_not_utf8(tmp_path, capsys):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe abc")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", f"@{bad}"])
+    assert exit_info.value.code == 2
+    assert "cannot read the prompt" in capsys.readouterr().err

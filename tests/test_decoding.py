@@ -193,3 +193,38 @@ def test_prompt_lookup_alone_keeps_greedy_output():
     spec = run(target, PromptLookupProposer(5, max_ngram=3, min_ngram=1), [1, 2, 3, 1, 2], config(60, k=4))
     assert spec.token_ids == plain.token_ids
     assert spec.stats.num_accepted > 0 and spec.stats.num_target_calls < 60
+
+
+def test_draft_with_a_larger_vocabulary_than_the_target():
+    target, draft = TableModel(6, seed=0), TableModel(8, seed=1)
+    plain = run(target, None, [1, 2], config(40))
+    spec = run(target, DraftModelProposer(draft), [1, 2], config(40, k=3))
+    assert spec.token_ids == plain.token_ids and max(spec.token_ids) < 6
+
+
+@pytest.mark.parametrize("prompt_length", range(3, 10))
+def test_speculative_and_plain_stop_at_the_same_context_length(prompt_length):
+    target = TableModel(8, seed=0, max_length=20)
+    prompt = [i % 7 + 1 for i in range(prompt_length)]
+    plain = run(target, None, prompt, config(100))
+    spec = run(target, DraftModelProposer(TableModel(8, seed=0)), prompt, config(100, k=4))
+    assert spec.token_ids == plain.token_ids
+    assert len(prompt) + len(spec.token_ids) == 20 and spec.finish_reason == "length"
+
+
+def test_draft_context_window_is_respected():
+    target = TableModel(8, seed=0)
+    draft = TableModel(8, seed=0, max_length=12)
+    plain = run(target, None, [1, 2, 3], config(30))
+    spec = run(target, DraftModelProposer(draft), [1, 2, 3], config(30, k=4))
+    assert spec.token_ids == plain.token_ids
+    assert draft.length <= 12 and spec.stats.num_drafted > 0
+
+
+def test_nothing_after_a_stop_is_counted():
+    target, draft = TableModel(8, seed=0), TableModel(8, seed=0)
+    first = run(target, None, [1, 2], config(1)).token_ids[0]
+    result = run(target, DraftModelProposer(draft), [1, 2], config(30, k=5, eos_token_ids=frozenset({first})))
+    s = result.stats
+    assert result.token_ids == [first]
+    assert s.num_accepted == 1 and s.num_drafted == 1 and s.accepted_per_position == [1, 0, 0, 0, 0]

@@ -97,3 +97,28 @@ def test_rollback_leaves_the_kv_cache_exactly_at_the_committed_length(pair):
     assert backend.cache.get_seq_length() == backend.length == len(PROMPT) + 1
     again = backend.forward(torch.tensor([2, 9]), 2)
     assert torch.allclose(again[0], logits_full[1], atol=1e-5)
+
+
+def test_sliding_window_model_rolls_back_past_its_window():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    def tiny_mistral(seed, layers):
+        torch.manual_seed(seed)
+        config = MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                               sliding_window=8, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+        return MistralForCausalLM(config).eval()
+
+    target, draft = tiny_mistral(0, 2), tiny_mistral(1, 1)
+    plain = run(HFCausalLM(target), None, [1, 2, 3], greedy(40))
+    spec = run(HFCausalLM(target), DraftModelProposer(HFCausalLM(draft)), [1, 2, 3],
+               DecodeConfig(max_new_tokens=40, sampling=SamplingParams(temperature=0), num_speculative_tokens=3))
+    assert spec.token_ids == plain.token_ids
+
+
+def test_tiny_temperature_gives_a_distribution_not_nan(pair):
+    target, draft = pair
+    spec = run(HFCausalLM(target), DraftModelProposer(HFCausalLM(draft)), PROMPT,
+               DecodeConfig(max_new_tokens=16, sampling=SamplingParams(temperature=1e-40, seed=0),
+                            num_speculative_tokens=3))
+    assert spec.token_ids == run(HFCausalLM(target), None, PROMPT, greedy(16)).token_ids

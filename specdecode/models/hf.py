@@ -31,7 +31,7 @@ class HFCausalLM:
         self.vocab_size = head.weight.shape[0]
         self._head_weight = None
         if vocab_limit is not None and vocab_limit < self.vocab_size:
-            scaled = any(getattr(model.config, a, None) for a in ("final_logit_softcapping", "logit_scale"))
+            scaled = any(getattr(model.config, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
             if not isinstance(head, torch.nn.Linear) or head.bias is not None or scaled:
                 raise ValueError(f"vocab_limit needs a plain linear LM head; {type(model).__name__} has another")
             # A view of the first rows: no copy, and the user's model is untouched.
@@ -46,6 +46,11 @@ class HFCausalLM:
 
     def reset(self) -> None:
         self.cache = self._cache_class(config=self.model.config)
+        # Sliding-window layers drop states past the window unless told to keep them, and then a
+        # rollback past the window would be impossible.
+        for layer in getattr(self.cache, "layers", []):
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
         self._length = 0
 
     @torch.inference_mode()
@@ -64,6 +69,8 @@ class HFCausalLM:
 
     def truncate(self, length: int) -> None:
         """Drop every cache entry past `length` tokens (rejected drafts)."""
-        if length < self._length:
-            self.cache.crop(length - self._length)  # transformers 5: a negative count to drop
+        if length <= self._length:
+            # transformers 5 takes a negative count to drop; crop(0) still trims the recorded
+            # states of sliding-window layers back to their window.
+            self.cache.crop(length - self._length)
             self._length = length

@@ -53,6 +53,11 @@ class DraftModelProposer:
     def propose(self, k: int) -> Draft:
         start = time.perf_counter()
         self._committed = self.backend.length + len(self._pending)
+        if self.backend.max_length is not None:
+            # the cache will hold the committed prefix and k − 1 drafts
+            k = min(k, self.backend.max_length - self._committed + 1)
+        if k <= 0:  # the draft's context window is full: this step goes without drafts
+            return Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, self.backend.vocab_size))
         feed, tokens, probs = self._pending, [], []
         for _ in range(k):
             logits = self.backend.forward(torch.tensor(feed, dtype=torch.long), 1)[0]
