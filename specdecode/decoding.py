@@ -37,6 +37,15 @@ class GenerationStats:
     time_target_s: float = 0.0
     lossy: bool = False
 
+    def record_step(self, k: int, n: int, emitted: int) -> None:
+        """One verify step: k drafted, n accepted, `emitted` tokens of the block returned. A stop
+        on an accepted draft ends the block there: the drafts after it are not counted (rule 4)."""
+        kept = min(n, emitted)
+        self.num_drafted += emitted if emitted <= n else k
+        self.num_accepted += kept
+        for i in range(kept):
+            self.accepted_per_position[i] += 1
+
     @property
     def acceptance_rate(self) -> float:
         """Accepted / drafted (the empirical α); NaN when nothing was drafted."""
@@ -134,6 +143,15 @@ class _Output:
         return text
 
 
+def _clip_gamma(k: int, tokens_left: int, max_length: int | None, committed: int) -> int:
+    """γ for this step: the block (k drafts + 1 token) must fit max_new_tokens and, since it may
+    end with a bonus token, the context window exactly as plain decoding would (rule 4)."""
+    k = min(k, tokens_left - 1)
+    if max_length is not None:
+        k = min(k, max_length - committed - 1)
+    return k
+
+
 def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokenizer=None,
            ) -> Iterator[TokenEvent]:
     """Generate from `target`, speculating with `proposer` (None: plain decoding).
@@ -166,11 +184,7 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
         if target.max_length is not None and committed >= target.max_length:
             out.finish_reason = "length"
             break
-        # γ is clipped so that the block fits max_new_tokens and the context window (rule 4).
-        k = min(k_max, config.max_new_tokens - len(out.token_ids) - 1)
-        if target.max_length is not None:
-            # the block may end with a bonus token: committed + k + 1 must fit, as in plain decoding
-            k = min(k, target.max_length - committed - 1)
+        k = _clip_gamma(k_max, config.max_new_tokens - len(out.token_ids), target.max_length, committed)
         # 1 propose
         if k > 0:
             draft = proposer.propose(k)
@@ -202,12 +216,8 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
             pushed += 1
             if out.finish_reason is not None:
                 break
-        # 5 record: a stop on an accepted draft ends the block there; nothing after it counts
-        counted = pushed if pushed <= n else k
-        stats.num_drafted += counted
-        stats.num_accepted += min(n, pushed)
-        for i in range(min(n, pushed)):
-            stats.accepted_per_position[i] += 1
+        # 5 record
+        stats.record_step(k, n, pushed)
         target.truncate(committed + n)
         if proposer is not None:
             proposer.commit(n, new_tokens)
