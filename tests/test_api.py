@@ -52,8 +52,8 @@ def test_every_proposer_option_keeps_the_greedy_output(model_dirs):
     greedy = SamplingParams(temperature=0)
     plain = SpeculativeDecoder(model_dirs["target"], None, dtype="float32").generate("abcab", max_new_tokens=30,
                                                                                     sampling=greedy)
-    for kwargs in (dict(draft_vocab_limit=10), dict(prompt_lookup=True), dict(draft=None, prompt_lookup=True),
-                   dict(draft_confidence=0.0, num_speculative_tokens=2)):
+    for kwargs in (dict(draft_vocab_limit=10), dict(prompt_lookup=False), dict(draft=None, prompt_lookup=True),
+                   dict(draft_confidence=0.0, num_speculative_tokens=2, draft_vocab_limit=None)):
         kwargs.setdefault("draft", model_dirs["draft"])
         decoder = SpeculativeDecoder(model_dirs["target"], dtype="float32", **kwargs)
         assert decoder.generate("abcab", max_new_tokens=30, sampling=greedy).token_ids == plain.token_ids, kwargs
@@ -171,7 +171,7 @@ def test_cli_help_explains_every_flag():
     out = subprocess.run([sys.executable, "-m", "specdecode.cli", "generate", "--help"],
                          capture_output=True, text=True, check=True).stdout
     for flag in ("--target", "--draft", "--num-speculative-tokens", "--temperature", "--top-k", "--top-p",
-                 "--min-p", "--seed", "--draft-confidence", "--draft-vocab-limit", "--prompt-lookup", "--max-new-tokens", "--stop", "--dtype", "--raw", "--show-tokens", "--json"):
+                 "--min-p", "--seed", "--draft-confidence", "--draft-vocab-limit", "--prompt-lookup", "--no-prompt-lookup", "--max-new-tokens", "--stop", "--dtype", "--raw", "--show-tokens", "--json"):
         assert flag in out
 
 
