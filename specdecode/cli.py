@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "yellow = bonus token (paper Figure 1)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (text, token_ids, finish_reason, stats) instead of streaming")
-    gen.add_argument("--quiet", action="store_true", help="no progress messages or summary on stderr")
+    gen.add_argument("--quiet", action="store_true",
+                     help="no progress messages, progress bars or summary on stderr (errors still print)")
     return parser
 
 
@@ -106,6 +107,11 @@ def _generate(args, parser) -> int:
         parser.error("the prompt is empty")
 
     progress = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
     try:
         decoder = SpeculativeDecoder(args.target, None if args.draft == "none" else args.draft,
                                      num_speculative_tokens=args.num_speculative_tokens,

