@@ -155,7 +155,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = [f"# Core benchmark: default pair, HumanEval, greedy\n",
+    lines = ["# Core benchmark: default pair, HumanEval, greedy\n",
              "| " + " | ".join(f"{k}: {v}" for k, v in meta.items() if k != "command") + " |\n",
              f"Command: `{meta['command']}`\n",
              "| configuration | tokens/s (median) | speedup vs (a) | acceptance | tokens/target call | draft share of time | same tokens as (b) / (a) |",

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdecode.decoding import ACCEPTED, BONUS, CORRECTED, TARGET, DecodeConfig, decode, run
+from specdecode.decoding import BONUS, CORRECTED, TARGET, DecodeConfig, decode, run
 from specdecode.models import TableModel
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdecode import SamplingParams, SpeculativeDecoder
+from specdecode import SamplingParams
 from specdecode.decoding import DecodeConfig, run
 from specdecode.models import HFCausalLM
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
