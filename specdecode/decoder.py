@@ -287,10 +287,10 @@ class SpeculativeDecoder:
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple)):
             if stream:
                 raise ValueError("stream=True takes one prompt, not a list")
-            for p in prompt:  # validate every prompt before generating any
-                self.encode(p, chat)
-            return [self.generate(p, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, chat=chat)
-                    for p in prompt]
+            # Encode (and so validate) every prompt before generating any; the ids go in verbatim.
+            encoded = [self.encode(p, chat) for p in prompt]
+            return [self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
+                    for ids in encoded]
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())

@@ -12,7 +12,7 @@ from specdecode.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class Draft:
-    tokens: torch.Tensor  # [k'] int64, 1 <= k' <= k (a proposer may stop early)
+    tokens: torch.Tensor  # [k'] int64, 0 <= k' <= k (a proposer may stop early or have nothing)
     probs: torch.Tensor   # [k', V] float32, the q each token was sampled from; one-hot if deterministic
 
 
