@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="first copy what followed an earlier occurrence of the last tokens (free drafts); "
                           "the draft model serves the other steps (default: on when there is a draft model; "
                           "--draft none --prompt-lookup uses lookup alone)")
+    gen.add_argument("--quantize-draft", action=argparse.BooleanOptionalAction, default=None,
+                     help="store the draft's weights as int8 for a faster draft step; exact either way, "
+                          "since only the proposal changes (default: on)")
     gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy (default: 1.0)")
     gen.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 = off (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off (default)")
@@ -117,7 +120,7 @@ def _generate(args, parser) -> int:
                                      num_speculative_tokens=args.num_speculative_tokens,
                                      draft_confidence=args.draft_confidence,
                                      draft_vocab_limit=args.draft_vocab_limit or "auto",
-                                     prompt_lookup=args.prompt_lookup,
+                                     prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft,
                                      dtype=args.dtype, progress=progress)
         stream = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                   stop=args.stop, stream=True, chat=False if args.raw else None)

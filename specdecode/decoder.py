@@ -3,6 +3,7 @@ at the boundary, and runs the decoding loop (specdecode.decoding)."""
 
 from __future__ import annotations
 
+import copy
 import operator
 import os
 import socket
@@ -14,6 +15,7 @@ import torch
 from specdecode import zoo
 from specdecode.decoding import DecodeConfig, GenerationResult, TokenEvent, decode
 from specdecode.models import HFCausalLM
+from specdecode.models.quant import quantize_int8
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 
@@ -162,6 +164,10 @@ class SpeculativeDecoder:
             tokens (paper §3.6, free drafts); the draft model serves the other steps. None
             (default): on when there is a draft model. With draft=None and prompt_lookup=True,
             lookup is the only proposer; draft=None alone is plain decoding.
+        quantize_draft: store the draft's linear layers as int8 (weight-only, per-row scales): a
+            cheaper draft step, still exact since only the proposal changes (paper §3.6).
+            None (default): on for a draft loaded by name or path, off for a draft given as a
+            loaded model (True quantizes a copy of it; the user's object is never changed).
         dtype: "bfloat16" (default), "float32" or "float16" for models loaded by name.
         progress: called with one-line messages while models are assembled and loaded.
     Raises:
@@ -172,7 +178,7 @@ class SpeculativeDecoder:
     def __init__(self, target="default", draft="default", *, tokenizer=None,
                  num_speculative_tokens: int = DEFAULT_GAMMA, draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
                  draft_vocab_limit: int | str | None = "auto", prompt_lookup: bool | None = None,
-                 dtype=None,
+                 quantize_draft: bool | None = None, dtype=None,
                  progress: Callable[[str], None] | None = None):
         if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool) \
                 or num_speculative_tokens < 1:
@@ -197,17 +203,22 @@ class SpeculativeDecoder:
         self.tokenizer = self.target.tokenizer
         self.draft = None
         if draft is not None:
-            self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit)
+            if quantize_draft is None:
+                quantize_draft = not isinstance(draft, torch.nn.Module)
+            self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, quantize_draft)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
         self.eos_token_ids = self._eos_ids(self.target.backend.model, self.tokenizer)
         self._owner: GenerationStream | None = None
 
-    def _load(self, spec, tokenizer, progress, vocab_limit=None) -> _Loaded:
+    def _load(self, spec, tokenizer, progress, vocab_limit=None, quantize=False) -> _Loaded:
         if isinstance(spec, torch.nn.Module):
             if tokenizer is None:
                 raise ValueError("a target given as a loaded model needs tokenizer=")
-            return _Loaded(HFCausalLM(spec, vocab_limit), tokenizer, type(spec).__name__)
-        model, tok, name = load_model(spec, self.dtype, progress)
+            model, tok, name = (copy.deepcopy(spec) if quantize else spec), tokenizer, type(spec).__name__
+        else:
+            model, tok, name = load_model(spec, self.dtype, progress)
+        if quantize:
+            quantize_int8(model)
         return _Loaded(HFCausalLM(model, vocab_limit), tok, name)
 
     @staticmethod

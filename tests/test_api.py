@@ -9,6 +9,7 @@ import torch
 
 from specdecode import SamplingParams, SpeculativeDecoder
 from specdecode.cli import main
+from specdecode.models.quant import Int8Linear
 
 from test_transformers import tiny_llama
 
@@ -220,3 +221,19 @@ def test_cli_refuses_a_prompt_file_that_is_not_utf8(tmp_path, capsys):
         main(["generate", f"@{bad}"])
     assert exit_info.value.code == 2
     assert "cannot read the prompt" in capsys.readouterr().err
+
+
+def test_quantize_draft_never_changes_the_users_model(model_dirs, char_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(model_dirs["target"])
+    draft = AutoModelForCausalLM.from_pretrained(model_dirs["draft"])
+    greedy = SamplingParams(temperature=0)
+    plain = SpeculativeDecoder(target, None, tokenizer=char_tokenizer).generate("abcab", max_new_tokens=20,
+                                                                               sampling=greedy)
+    for quantize in (None, True, False):
+        decoder = SpeculativeDecoder(target, draft, tokenizer=char_tokenizer, quantize_draft=quantize)
+        assert decoder.generate("abcab", max_new_tokens=20, sampling=greedy).token_ids == plain.token_ids
+        assert isinstance(draft.lm_head, torch.nn.Linear)  # the user's object is untouched
+        used = decoder.draft.backend.model
+        assert (used is not draft and isinstance(used.lm_head, Int8Linear)) if quantize else used is draft

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.models.quant import Int8Linear
+
 
 class HFCausalLM:
     """Wraps a transformers `PreTrainedModel` (decoder-only) with a DynamicCache and exact rollback.
@@ -28,14 +30,18 @@ class HFCausalLM:
         self.model = model.eval()
         self._cache_class = DynamicCache
         head = model.get_output_embeddings()
-        self.vocab_size = head.weight.shape[0]
-        self._head_weight = None
+        self.vocab_size = head.out_features if isinstance(head, Int8Linear) else head.weight.shape[0]
+        self._head = None
         if vocab_limit is not None and vocab_limit < self.vocab_size:
             scaled = any(getattr(model.config, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-            if not isinstance(head, torch.nn.Linear) or head.bias is not None or scaled:
+            if not isinstance(head, (torch.nn.Linear, Int8Linear)) or head.bias is not None or scaled:
                 raise ValueError(f"vocab_limit needs a plain linear LM head; {type(model).__name__} has another")
             # A view of the first rows: no copy, and the user's model is untouched.
-            self._head_weight = head.weight[:vocab_limit]
+            if isinstance(head, Int8Linear):
+                self._head = head.first_rows(vocab_limit)
+            else:
+                weight = head.weight[:vocab_limit]
+                self._head = lambda hidden: torch.nn.functional.linear(hidden, weight)
             self.vocab_size = vocab_limit
         self.max_length = getattr(model.config, "max_position_embeddings", None)
         self.reset()
@@ -57,11 +63,11 @@ class HFCausalLM:
     def forward(self, tokens: torch.Tensor, num_logits: int) -> torch.Tensor:
         """Append tokens [T] int64; return the next-token logits after each of the last
         `num_logits` of them, [num_logits, V] float32 (the LM head runs only there)."""
-        if self._head_weight is not None:
+        if self._head is not None:
             hidden = self.model.get_decoder()(input_ids=tokens.view(1, -1), cache=self.cache,
                                               use_cache=True).last_hidden_state
             self._length += tokens.numel()
-            return torch.nn.functional.linear(hidden[0, -num_logits:], self._head_weight).float()
+            return self._head(hidden[0, -num_logits:]).float()
         out = self.model(input_ids=tokens.view(1, -1), cache=self.cache, use_cache=True,
                          logits_to_keep=num_logits)
         self._length += tokens.numel()
