@@ -30,6 +30,7 @@ class GenerationStats:
     num_draft_calls: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
+    num_rejected: int = 0  # blocks that ended in a rejection (a verified draft not accepted)
     accepted_per_position: list[int] = field(default_factory=list)
     num_generated: int = 0
     wall_time_s: float = 0.0
@@ -43,6 +44,7 @@ class GenerationStats:
         kept = min(n, emitted)
         self.num_drafted += emitted if emitted <= n else k
         self.num_accepted += kept
+        self.num_rejected += int(n < k and emitted > n)
         for i in range(kept):
             self.accepted_per_position[i] += 1
 
@@ -50,6 +52,15 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         """Accepted / drafted (the empirical α); NaN when nothing was drafted."""
         return self.num_accepted / self.num_drafted if self.num_drafted else float("nan")
+
+    @property
+    def alpha_estimate(self) -> float:
+        """Accepted / (accepted + rejected): the fraction of verified drafts that were accepted,
+        the per-token acceptance probability α of paper Def. 3.1 (drafts after a rejection were
+        never verified, so accepted / drafted underestimates α: at α = 0.8 and γ = 4 it gives
+        0.59). NaN when nothing was verified."""
+        verified = self.num_accepted + self.num_rejected
+        return self.num_accepted / verified if verified else float("nan")
 
     @property
     def mean_tokens_per_call(self) -> float:
@@ -64,7 +75,9 @@ class GenerationStats:
         return {
             "num_target_calls": self.num_target_calls, "num_draft_calls": self.num_draft_calls,
             "num_drafted": self.num_drafted, "num_accepted": self.num_accepted,
+            "num_rejected": self.num_rejected,
             "acceptance_rate": None if not self.num_drafted else self.acceptance_rate,
+            "alpha_estimate": None if not self.num_accepted + self.num_rejected else self.alpha_estimate,
             "accepted_per_position": list(self.accepted_per_position),
             "mean_tokens_per_call": self.mean_tokens_per_call, "num_generated": self.num_generated,
             "wall_time_s": self.wall_time_s, "time_draft_s": self.time_draft_s,

@@ -228,3 +228,18 @@ def test_nothing_after_a_stop_is_counted():
     s = result.stats
     assert result.token_ids == [first]
     assert s.num_accepted == 1 and s.num_drafted == 1 and s.accepted_per_position == [1, 0, 0, 0, 0]
+
+
+def test_alpha_estimate_measures_the_per_token_acceptance_probability():
+    # Context-free tables: β = Σ min(p, q) is the same after every prefix, so α = β exactly.
+    target, draft = TableModel(6, order=1, seed=0), TableModel(6, order=1, seed=1)
+    target.table[:] = target.table[0]
+    draft.table[:] = draft.table[0]
+    beta = float(torch.minimum(torch.softmax(target.table[0], -1), torch.softmax(draft.table[0], -1)).sum())
+    s = run(target, DraftModelProposer(draft), [1], config(4000, k=4, sampling=SamplingParams(seed=0))).stats
+    verified = s.num_accepted + s.num_rejected
+    # binomial standard error over ~2000 verified drafts is ≈ 0.01; 4 of them is the tolerance
+    assert abs(s.alpha_estimate - beta) < 4 * (beta * (1 - beta) / verified) ** 0.5
+    # accepted / drafted is E[accepted] / γ = β(1 − β^γ) / ((1 − β)γ) instead (i.i.d. acceptances)
+    assert s.acceptance_rate == pytest.approx(beta * (1 - beta ** 4) / ((1 - beta) * 4), abs=0.03)
+    assert s.acceptance_rate < s.alpha_estimate

@@ -9,7 +9,7 @@ import torch
 
 from specdecode.decoding import DecodeConfig, run
 from specdecode.models import TableModel
-from specdecode.proposers import Draft, DraftModelProposer, PromptLookupProposer
+from specdecode.proposers import Draft, DraftModelProposer, NGramModel, NGramProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams, adjust
 from specdecode.verify import acceptance_probs, residual_distribution
 
@@ -110,7 +110,8 @@ STAT_PARAMS = [SamplingParams(), SamplingParams(top_k=3), SamplingParams(top_p=0
     lambda d: DraftModelProposer(d),
     lambda d: DraftModelProposer(d, confidence_threshold=0.5),
     lambda d: PromptLookupProposer(4, max_ngram=2, min_ngram=1, fallback=DraftModelProposer(d)),
-], ids=["fixed-gamma", "confidence-stop", "lookup+draft"])
+    lambda d: NGramProposer(NGramModel(4, order=2).fit([[1, 2, 3, 1, 0, 2, 2, 3, 3]])),
+], ids=["fixed-gamma", "confidence-stop", "lookup+draft", "bigram"])
 def test_decoding_loop_matches_target_distribution_chi_square(params, make_proposer):
     # 3000 seeded runs of the full loop (k=3, 3 tokens, vocab 4 → 64 sequences); the test fails
     # at significance 1e-3 (a correct implementation fails it 1 time in 1000).
