@@ -27,6 +27,36 @@ def _read_prompt(arg: str) -> str:
     return arg
 
 
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The target, the draft and how drafts are made: shared by generate, alpha and bench."""
+    parser.add_argument("--target", default="default",
+                        help=f"target model: a zoo name ({', '.join(zoo.ZOO)}), a local directory, or a hub id "
+                             f"(default: {zoo.DEFAULT_TARGET})")
+    parser.add_argument("--draft", default="default",
+                        help=f"draft model, same forms as --target, or 'none' for plain decoding (default: {zoo.DEFAULT_DRAFT})")
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_GAMMA,
+                        help=f"γ: the most draft tokens proposed per target call (default: {DEFAULT_GAMMA})")
+    parser.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
+                        help="dynamic γ: stop drafting once the draft's probability of its own token falls "
+                             "below this, in [0, 1); exact either way; 0 always drafts γ tokens "
+                             f"(default: {DEFAULT_DRAFT_CONFIDENCE})")
+    parser.add_argument("--draft-vocab-limit", type=int, default=None, metavar="N",
+                        help="the draft scores only token ids below N: a cheaper LM head, still exact "
+                             "(default: 32768 for the zoo's draft, the whole vocabulary for others)")
+    parser.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=None,
+                        help="first copy what followed an earlier occurrence of the last tokens (free drafts); "
+                             "the draft model serves the other steps (default: on when there is a draft model; "
+                             "--draft none --prompt-lookup uses lookup alone)")
+    parser.add_argument("--quantize-draft", action=argparse.BooleanOptionalAction, default=None,
+                        help="store the draft's weights as int8 for a faster draft step; exact either way, "
+                             "since only the proposal changes (default: on)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                        help="weights and activations dtype; bfloat16 (default) is fastest on CPU, float32 for "
+                             "bit-exact comparisons")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress messages, progress bars or summary on stderr (errors still print)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specdecode",
@@ -39,27 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate text with the target model, speculating with the draft model. Text streams "
                     "to stdout as it is accepted; a one-line summary goes to stderr.")
     gen.add_argument("prompt", help="the prompt text, '-' to read stdin, or @FILE to read a file")
-    gen.add_argument("--target", default="default",
-                     help=f"target model: a zoo name ({', '.join(zoo.ZOO)}), a local directory, or a hub id "
-                          f"(default: {zoo.DEFAULT_TARGET})")
-    gen.add_argument("--draft", default="default",
-                     help=f"draft model, same forms as --target, or 'none' for plain decoding (default: {zoo.DEFAULT_DRAFT})")
-    gen.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_GAMMA,
-                     help=f"γ: the most draft tokens proposed per target call (default: {DEFAULT_GAMMA})")
-    gen.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
-                     help="dynamic γ: stop drafting once the draft's probability of its own token falls "
-                          "below this, in [0, 1); exact either way; 0 always drafts γ tokens "
-                          f"(default: {DEFAULT_DRAFT_CONFIDENCE})")
-    gen.add_argument("--draft-vocab-limit", type=int, default=None, metavar="N",
-                     help="the draft scores only token ids below N: a cheaper LM head, still exact "
-                          "(default: 32768 for the zoo's draft, the whole vocabulary for others)")
-    gen.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=None,
-                     help="first copy what followed an earlier occurrence of the last tokens (free drafts); "
-                          "the draft model serves the other steps (default: on when there is a draft model; "
-                          "--draft none --prompt-lookup uses lookup alone)")
-    gen.add_argument("--quantize-draft", action=argparse.BooleanOptionalAction, default=None,
-                     help="store the draft's weights as int8 for a faster draft step; exact either way, "
-                          "since only the proposal changes (default: on)")
+    _add_model_flags(gen)
     gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy (default: 1.0)")
     gen.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 = off (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off (default)")
@@ -69,9 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=256, help="most new tokens to generate (default: 256)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="stop when this text appears (excluded from the output); repeatable")
-    gen.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
-                     help="weights and activations dtype; bfloat16 (default) is fastest on CPU, float32 for "
-                          "bit-exact comparisons")
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as raw text; by default an instruct model's chat template is applied")
     gen.add_argument("--show-tokens", action="store_true",
@@ -79,25 +86,104 @@ def build_parser() -> argparse.ArgumentParser:
                           "yellow = bonus token (paper Figure 1)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (text, token_ids, finish_reason, stats) instead of streaming")
-    gen.add_argument("--quiet", action="store_true",
-                     help="no progress messages, progress bars or summary on stderr (errors still print)")
+
+    alpha = sub.add_parser(
+        "alpha", help="measure the acceptance rate α of several drafts on benchmark prompts",
+        description="Measure α the paper's way (§4.2: mean Σ min(p, q) at every prefix of text the target "
+                    "generates) for the draft model, a bigram, a unigram, prompt lookup and the uniform "
+                    "distribution, and the empirical way (accepted / verified drafts of the same speculative "
+                    "run, fixed γ = -k), per task and temperature, with 95%% bootstrap intervals over prompts. "
+                    "Writes OUT.json, OUT.md and OUT_alpha.png.")
+    _add_task_flags(alpha, default_tasks=["code", "translation", "summarization"], default_prompts=10)
+    alpha.add_argument("--max-new-tokens", type=int, default=128, help="tokens the target generates per prompt (default: 128)")
+    alpha.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], metavar="T",
+                       help="sampling temperatures; 0 = greedy (default: 0 1)")
+    alpha.add_argument("--seed", type=int, default=0, help="seed of prompt i's run is SEED + i (default: 0)")
+    alpha.add_argument("--out", default="docs/alpha", help="output path without extension (default: docs/alpha)")
+    alpha.add_argument("--quick", action="store_true",
+                       help="a smoke run in a few minutes: tasks code and translation, 2 prompts, 24 tokens")
+    _add_model_flags(alpha)
+
+    bench = sub.add_parser(
+        "bench", help="time speculative decoding against the target alone and transformers, with the theory",
+        description="Run, in one process and interleaved: transformers generate with the target alone (the "
+                    "baseline), our plain decoding, our speculative decoding for each fixed γ, our configured "
+                    "decoder, prompt lookup alone and transformers assisted generation. Measures c and the "
+                    "verify cost r(k) on this machine and puts each measured speedup next to Theorem 3.8's "
+                    "prediction. Writes OUT.json, OUT.md and plots OUT_*.png.")
+    _add_task_flags(bench, default_tasks=["code"], default_prompts=10)
+    bench.add_argument("--new-tokens", type=int, default=128,
+                       help="tokens per prompt; every run emits exactly this many (EOS does not stop it) (default: 128)")
+    bench.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are over these (default: 3)")
+    bench.add_argument("--gammas", type=int, nargs="*", default=[1, 2, 3, 4, 5, 6], metavar="G",
+                       help="fixed γ values of the sweep (default: 1 2 3 4 5 6)")
+    bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), else exact sampling")
+    bench.add_argument("--hf-assisted", nargs="*", default=["heuristic", "constant:4"], metavar="SCHEDULE",
+                       help="transformers assisted-generation settings: 'heuristic' or 'constant:N' "
+                            "(default: heuristic constant:4; none to skip)")
+    bench.add_argument("--hf-draft", choices=["float", "ours"], default="float",
+                       help="draft object given to transformers: 'float' = the draft model as loaded, without "
+                            "our int8 weights (the pair as given), 'ours' = the same (possibly int8) object we use "
+                            "(default: float)")
+    bench.add_argument("--out", default="docs/bench", help="output path without extension (default: docs/bench)")
+    bench.add_argument("--quick", action="store_true",
+                       help="a smoke run in a few minutes: 2 prompts, 24 tokens, 1 repeat, γ 2 and 4")
+    _add_model_flags(bench)
     return parser
 
 
-def _generate(args, parser) -> int:
-    from specdecode import SamplingParams, SpeculativeDecoder
+def _add_task_flags(parser, default_tasks: list[str], default_prompts: int) -> None:
+    from specdecode.data import TASKS
 
-    try:
-        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  min_p=args.min_p, seed=args.seed)
-    except ValueError as err:
-        parser.error(str(err))
+    parser.add_argument("--tasks", nargs="+", default=default_tasks, choices=TASKS, metavar="TASK",
+                        help="'code' = HumanEval; the others are Spec-Bench categories (translation and "
+                             f"summarization are the paper's tasks): {', '.join(TASKS)} "
+                             f"(default: {' '.join(default_tasks)})")
+    parser.add_argument("--prompts", type=int, default=default_prompts,
+                        help=f"prompts per task, the first N of each (default: {default_prompts})")
+
+
+def _check_model_flags(args, parser) -> None:
+    """Bad flags exit 2 naming the flag, before any model loads."""
     if args.num_speculative_tokens < 1:
         parser.error(f"-k/--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
     if not 0 <= args.draft_confidence < 1:
         parser.error(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
     if args.draft_vocab_limit is not None and args.draft_vocab_limit < 1:
         parser.error(f"--draft-vocab-limit must be >= 1, got {args.draft_vocab_limit}")
+
+
+def _progress(args):
+    """A stderr printer (None with --quiet, which also silences transformers' bars)."""
+    if not args.quiet:
+        return lambda msg: print(msg, file=sys.stderr, flush=True)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    return None
+
+
+def _decoder(args, progress):
+    from specdecode import SpeculativeDecoder
+
+    return SpeculativeDecoder(args.target, None if args.draft == "none" else args.draft,
+                              num_speculative_tokens=args.num_speculative_tokens,
+                              draft_confidence=args.draft_confidence,
+                              draft_vocab_limit=args.draft_vocab_limit or "auto",
+                              prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft,
+                              dtype=args.dtype, progress=progress)
+
+
+def _generate(args, parser) -> int:
+    from specdecode import SamplingParams
+
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  min_p=args.min_p, seed=args.seed)
+    except ValueError as err:
+        parser.error(str(err))
+    _check_model_flags(args, parser)
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if any(not s for s in args.stop):
@@ -109,19 +195,9 @@ def _generate(args, parser) -> int:
     if not prompt:
         parser.error("the prompt is empty")
 
-    progress = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    if args.quiet:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
+    progress = _progress(args)
     try:
-        decoder = SpeculativeDecoder(args.target, None if args.draft == "none" else args.draft,
-                                     num_speculative_tokens=args.num_speculative_tokens,
-                                     draft_confidence=args.draft_confidence,
-                                     draft_vocab_limit=args.draft_vocab_limit or "auto",
-                                     prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft,
-                                     dtype=args.dtype, progress=progress)
+        decoder = _decoder(args, progress)
         stream = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                   stop=args.stop, stream=True, chat=False if args.raw else None)
         for event in stream:
@@ -151,9 +227,89 @@ def _generate(args, parser) -> int:
     return 0
 
 
+def _alpha(args, parser) -> int:
+    from specdecode.alpha import alpha_report
+
+    _check_model_flags(args, parser)
+    if args.quick:
+        args.tasks, args.prompts, args.max_new_tokens = ["code", "translation"], 2, 24
+    if args.prompts < 1 or args.max_new_tokens < 1:
+        parser.error("--prompts and --max-new-tokens must be >= 1")
+    if any(t < 0 for t in args.temperatures):
+        parser.error("--temperatures must be >= 0")
+    progress = _progress(args)
+    try:
+        decoder = _decoder(args, progress)
+        alpha_report(decoder, args.tasks, args.prompts, args.temperatures, gamma=args.num_speculative_tokens,
+                     max_new_tokens=args.max_new_tokens, out=args.out, seed=args.seed, progress=progress)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        print(f"specdecode: error: {err}", file=sys.stderr)
+        return 2
+    print(open(args.out + ".md", encoding="utf-8").read())
+    return 0
+
+
+def _bench(args, parser) -> int:
+    from specdecode import SamplingParams
+    from specdecode.bench import bench_report
+
+    _check_model_flags(args, parser)
+    if args.quick:
+        args.prompts, args.new_tokens, args.repeats, args.gammas = 2, 24, 1, [2, 4]
+    if args.prompts < 1 or args.new_tokens < 2 or args.repeats < 1 or any(g < 1 for g in args.gammas):
+        parser.error("--prompts, --repeats and --gammas must be >= 1, --new-tokens >= 2")
+    schedules = [] if args.hf_assisted == ["none"] else args.hf_assisted
+    for schedule in schedules:
+        kind, _, n = schedule.partition(":")
+        if not (schedule == "heuristic" or (kind == "constant" and n.isdigit() and int(n) >= 1)):
+            parser.error(f"--hf-assisted takes 'heuristic' or 'constant:N', got {schedule!r}")
+    try:
+        sampling = SamplingParams(temperature=args.temperature)
+    except ValueError as err:
+        parser.error(str(err))
+    progress = _progress(args)
+    try:
+        decoder = _decoder(args, progress)
+        hf_draft = None
+        if args.hf_draft == "float" and decoder.draft is not None and args.draft != "none" and schedules:
+            from specdecode.decoder import load_model
+
+            spec = zoo.DEFAULT_DRAFT if args.draft == "default" else args.draft
+            hf_draft = load_model(spec, decoder.dtype, progress)[0]
+        bar = None if args.quiet else _bar()
+        bench_report(decoder, args.tasks, args.prompts, new_tokens=args.new_tokens, repeats=args.repeats,
+                     gammas=args.gammas, sampling=sampling, hf_schedules=schedules, out=args.out,
+                     hf_draft=hf_draft, progress=bar)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        print(f"specdecode: error: {err}", file=sys.stderr)
+        return 2
+    print(open(args.out + ".md", encoding="utf-8").read())
+    return 0
+
+
+def _bar():
+    """A tqdm progress bar on stderr, driven by (done, total, description) calls."""
+    from tqdm import tqdm
+
+    state = {}
+
+    def update(done: int, total: int, description: str) -> None:
+        if "bar" not in state:
+            state["bar"] = tqdm(total=total, unit="run", file=sys.stderr)
+        state["bar"].set_description(description[:60])
+        state["bar"].update(done - state["bar"].n)
+        if done == total:
+            state["bar"].close()
+    return update
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "alpha":
+        return _alpha(args, parser)
+    if args.command == "bench":
+        return _bench(args, parser)
     if args.command == "generate":
         try:
             return _generate(args, parser)

@@ -23,7 +23,7 @@ def _check_shapes(draft_tokens, draft_probs, target_probs):
             f"{tuple(draft_tokens.shape)}, {tuple(draft_probs.shape)}, {tuple(target_probs.shape)}")
 
 
-def _match_vocab(draft_probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def match_vocab(draft_probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Zero-pad (or cut) q to the target's vocabulary size (DESIGN.md rule 6).
 
     Models of one family often pad their embedding tables to different sizes; the ids past the
@@ -68,7 +68,7 @@ def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor)
         [..., V] float32, normalized. Where p − q has no positive mass (p = q up to rounding,
         when a rejection has probability 0 anyway) it falls back to p, so it is never NaN.
     """
-    residual = (target_probs - _match_vocab(draft_probs, target_probs.shape[-1])).clamp(min=0.0)
+    residual = (target_probs - match_vocab(draft_probs, target_probs.shape[-1])).clamp(min=0.0)
     mass = residual.sum(-1, keepdim=True)
     return torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), target_probs)
 
@@ -102,7 +102,7 @@ def speculative_step(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
     # q at position k is all zeros, so the "residual" there is p_{k+1} itself: the bonus token
     # needs no separate branch.
-    q_ext = torch.nn.functional.pad(_match_vocab(draft_probs, target_probs.shape[-1]), (0, 0, 0, 1))
+    q_ext = torch.nn.functional.pad(match_vocab(draft_probs, target_probs.shape[-1]), (0, 0, 0, 1))
     rows = torch.arange(batch, device=draft_tokens.device)
     p_n = target_probs[rows, num_accepted]
     q_n = q_ext[rows, num_accepted]

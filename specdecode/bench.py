@@ -1,0 +1,269 @@
+"""Side-by-side speed in one process, with the theory beside it: behind `specdecode bench`.
+
+Configurations, all on the same prompts, interleaved (every configuration runs prompt i before
+any runs prompt i+1, so slow spells of the machine hit all alike):
+    transformers `generate` with the target alone (the baseline: ratio 1.00)
+    specdecode plain decoding (the same loop with no draft)
+    specdecode with the draft model at each fixed γ (no early stop, no lookup): the γ sweep
+    specdecode as configured (the decoder's defaults: dynamic γ, prompt lookup, int8 draft, ...)
+    prompt lookup alone (c ≈ 0, paper §3.6)
+    transformers assisted generation (`assistant_model=`) on the same pair
+Every run emits exactly `new_tokens` tokens (EOS does not stop it) so tokens/s compare.
+
+It also measures on this machine: c = draft step / target step (Def. 3.7) and the verify cost
+r(k) = T(k-token target call) / T(1-token call), which Thm 3.8 takes to be 1 (§3.3). For each γ
+it puts the measured speedup next to Thm 3.8's prediction from the measured α and c, and next to
+the prediction corrected by r: E(α, γ) / (γc + r(γ+1)) (paper Table 4's comparison).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from specdecode.analysis import expected_tokens, optimal_gamma, walltime_improvement
+from specdecode.decoding import DecodeConfig, run
+from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.sampling import SamplingParams
+
+BASELINE = "transformers generate, target alone"
+
+
+def time_forwards(backend, context: list[int], sizes: list[int], repeats: int = 7) -> dict[int, float]:
+    """Median seconds of one call appending k tokens (and scoring all k) after `context`, for each
+    k in sizes. The cache is rolled back after each call, so every call sees the same length; the
+    sizes are interleaved and a first round is discarded, so warm-up and drift hit all alike."""
+    backend.reset()
+    backend.forward(torch.tensor(context, dtype=torch.long), 1)
+    times = {k: [] for k in sizes}
+    for round_ in range(repeats + 1):
+        for k in sizes:
+            tokens = torch.tensor((context * k)[-k:], dtype=torch.long)
+            start = time.perf_counter()
+            backend.forward(tokens, k)
+            if round_:
+                times[k].append(time.perf_counter() - start)
+            backend.truncate(len(context))
+    backend.reset()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def measure_costs(target, draft, context: list[int], max_k: int) -> dict:
+    """c (Def. 3.7) and r(k) for k = 1..max_k on this machine, at the given context length."""
+    target_times = time_forwards(target, context, list(range(1, max_k + 1)))
+    one = target_times[1]
+    costs = {"target_step_s": one, "r": {k: t / one for k, t in target_times.items()}}
+    if draft is not None:
+        costs["draft_step_s"] = time_forwards(draft, context, [1])[1]
+        costs["c"] = costs["draft_step_s"] / one
+    return costs
+
+
+def _hf_runner(model, new_tokens: int, sampling: SamplingParams, pad_id: int, assistant=None,
+               schedule: str = "heuristic", assistant_tokens: int = 4):
+    def go(ids: list[int], seed: int):
+        kwargs = dict(do_sample=False)
+        if not sampling.greedy:
+            torch.manual_seed(seed)
+            kwargs = dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0,
+                          top_p=sampling.top_p)
+        if assistant is not None:
+            assistant.generation_config.num_assistant_tokens_schedule = schedule
+            assistant.generation_config.num_assistant_tokens = assistant_tokens
+            kwargs["assistant_model"] = assistant
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 pad_token_id=pad_id, repetition_penalty=1.0, **kwargs)
+        return out[0, len(ids):].tolist(), None
+    return go
+
+
+def _our_runner(target, make_proposer: Callable, gamma: int, new_tokens: int, sampling: SamplingParams):
+    def go(ids: list[int], seed: int):
+        params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                min_p=sampling.min_p, seed=seed)
+        result = run(target, make_proposer(), ids, DecodeConfig(max_new_tokens=new_tokens, sampling=params,
+                                                                 num_speculative_tokens=gamma))
+        return result.token_ids, result.stats
+    return go
+
+
+def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: list[int],
+                  hf_schedules: list[str], hf_draft=None) -> dict[str, Callable]:
+    """name → go(ids, seed) -> (token ids, GenerationStats or None). hf_draft: a transformers
+    draft model for assisted generation (default: the decoder's own draft model object)."""
+    target = decoder.target.backend
+    pad = decoder.tokenizer.pad_token_id if decoder.tokenizer.pad_token_id is not None else decoder.tokenizer.eos_token_id
+    configs = {BASELINE: _hf_runner(target.model, new_tokens, sampling, pad),
+               "specdecode plain": _our_runner(target, lambda: None, 0, new_tokens, sampling)}
+    draft = decoder.draft.backend if decoder.draft is not None else None
+    if draft is not None:
+        for g in gammas:
+            configs[f"specdecode γ={g}"] = _our_runner(target, lambda: DraftModelProposer(draft), g, new_tokens, sampling)
+    configs["specdecode as configured"] = _our_runner(target, decoder._proposer, decoder.num_speculative_tokens,
+                                                      new_tokens, sampling)
+    configs["prompt lookup alone"] = _our_runner(
+        target, lambda: PromptLookupProposer(target.vocab_size), decoder.num_speculative_tokens, new_tokens, sampling)
+    assistant = hf_draft if hf_draft is not None else (draft.model if draft is not None else None)
+    if assistant is not None:
+        for schedule in hf_schedules:
+            kind, _, tokens = schedule.partition(":")
+            configs[f"transformers assisted, {schedule}"] = _hf_runner(
+                target.model, new_tokens, sampling, pad, assistant, kind, int(tokens or 4))
+    return configs
+
+
+def run_configs(configs: dict[str, Callable], prompts: list[tuple[str, list[int]]], repeats: int,
+                progress: Callable[[int, int, str], None] | None = None) -> dict:
+    """Time every configuration on every (task, ids) prompt, interleaved; one warm-up run each.
+
+    Returns {"seconds": {config: {task: [per repeat]}}, "tokens": {config: {task: [...]}},
+    "stats": {config: [GenerationStats of repeat 0]}, "outputs": {config: [token ids of repeat 0]}}.
+    """
+    for go in configs.values():  # warm-up: first calls pay one-time costs (allocations, caches)
+        go(prompts[0][1][:16], 0)
+    seconds = {name: {} for name in configs}
+    tokens = {name: {} for name in configs}
+    stats = {name: [] for name in configs}
+    outputs = {name: [] for name in configs}
+    total, done = repeats * len(prompts) * len(configs), 0
+    for rep in range(repeats):
+        for i, (task, ids) in enumerate(prompts):
+            for name, go in configs.items():
+                start = time.perf_counter()
+                out, st = go(ids, 1000 * rep + i)
+                elapsed = time.perf_counter() - start
+                for table, value in ((seconds, elapsed), (tokens, len(out))):
+                    per_task = table[name].setdefault(task, [0.0] * repeats)
+                    per_task[rep] += value
+                if rep == 0:
+                    outputs[name].append(out)
+                    if st is not None:
+                        stats[name].append(st)
+                done += 1
+                if progress:
+                    progress(done, total, f"repeat {rep + 1}, prompt {i + 1} ({task}), {name}")
+    return {"seconds": seconds, "tokens": tokens, "stats": stats, "outputs": outputs}
+
+
+def _median_rate(tokens: list[float], seconds: list[float]) -> float:
+    return statistics.median(t / s for t, s in zip(tokens, seconds))
+
+
+def summarize(timings: dict, costs: dict, tasks: list[str]) -> list[dict]:
+    """One row per configuration: tokens/s and speedup over the baseline (medians over repeats of
+    the per-repeat ratio), overall and per task; α̂ and tokens per call; Thm 3.8 predictions."""
+    rows = []
+    base_outputs = timings["outputs"][BASELINE]
+    plain_outputs = timings["outputs"]["specdecode plain"]
+    all_tasks = ["all"] + tasks
+
+    def totals(name):
+        secs = [sum(timings["seconds"][name][t][r] for t in tasks) for r in range(len(timings["seconds"][name][tasks[0]]))]
+        toks = [sum(timings["tokens"][name][t][r] for t in tasks) for r in range(len(secs))]
+        return toks, secs
+
+    for name in timings["seconds"]:
+        row = {"config": name, "tokens_per_s": {}, "speedup": {}}
+        for task in all_tasks:
+            toks, secs = totals(name) if task == "all" else (timings["tokens"][name][task], timings["seconds"][name][task])
+            btoks, bsecs = totals(BASELINE) if task == "all" else (timings["tokens"][BASELINE][task],
+                                                                   timings["seconds"][BASELINE][task])
+            row["tokens_per_s"][task] = _median_rate(toks, secs)
+            row["speedup"][task] = statistics.median((t / s) / (bt / bs) for t, s, bt, bs in zip(toks, secs, btoks, bsecs))
+        outs = timings["outputs"][name]
+        row["same_tokens_as_plain"] = sum(a == b for a, b in zip(outs, plain_outputs))
+        row["same_tokens_as_hf"] = sum(a == b for a, b in zip(outs, base_outputs))
+        st = timings["stats"][name]
+        verified = sum(s.num_accepted + s.num_rejected for s in st)
+        if verified:
+            row["alpha_hat"] = sum(s.num_accepted for s in st) / verified
+            row["accepted_over_drafted"] = sum(s.num_accepted for s in st) / sum(s.num_drafted for s in st)
+            row["tokens_per_call"] = sum(s.num_generated for s in st) / sum(s.num_target_calls for s in st)
+            row["draft_share_of_time"] = sum(s.time_draft_s for s in st) / sum(s.wall_time_s for s in st)
+        if name.startswith("specdecode γ=") and "alpha_hat" in row and "c" in costs:
+            gamma = int(name.split("=")[1])
+            alpha, c, r = min(row["alpha_hat"], 0.999999), costs["c"], costs["r"].get(gamma + 1)
+            row["gamma"] = gamma
+            row["eq1_tokens_per_call"] = expected_tokens(alpha, gamma)
+            row["predicted"] = walltime_improvement(alpha, gamma, c)
+            row["predicted_corrected"] = expected_tokens(alpha, gamma) / (gamma * c + r) if r else None
+        rows.append(row)
+    return rows
+
+
+def theory(rows: list[dict], costs: dict, max_gamma: int) -> dict:
+    """The best γ by Thm 3.8 from the pooled α̂ of the γ sweep and the measured c, and with r(k)."""
+    sweep = [r for r in rows if "gamma" in r]
+    if not sweep or "c" not in costs:
+        return {}
+    alpha = statistics.mean(r["alpha_hat"] for r in sweep)
+    c, r = costs["c"], costs["r"]
+    corrected = {g: expected_tokens(min(alpha, 0.999999), g) / (g * c + r[g + 1]) for g in range(1, max_gamma) if g + 1 in r}
+    best_measured = max(sweep, key=lambda row: row["speedup"]["all"])
+    return {"alpha_pooled": alpha, "c": c, "optimal_gamma": optimal_gamma(min(alpha, 0.999999), c),
+            "optimal_speedup": walltime_improvement(min(alpha, 0.999999), optimal_gamma(min(alpha, 0.999999), c), c),
+            "optimal_gamma_corrected": max(corrected, key=corrected.get) if corrected else None,
+            "optimal_speedup_corrected": max(corrected.values()) if corrected else None,
+            "best_measured_gamma": best_measured["gamma"], "best_measured_speedup": best_measured["speedup"]["all"]}
+
+
+def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens: int, repeats: int,
+                 gammas: list[int], sampling: SamplingParams, hf_schedules: list[str], out: str, hf_draft=None,
+                 progress: Callable[[int, int, str], None] | None = None) -> dict:
+    """Run the benchmark and write OUT.{json,md} and OUT_*.png. Returns {"meta", "costs", "rows", "theory"}."""
+    from specdecode.data import load_prompts
+    from specdecode.plots import plot_expected_tokens, plot_optimal_gamma, plot_speedup_vs_gamma
+    from specdecode.report import environment, fmt, markdown_table, write
+
+    prompts = [(task, decoder.encode(p.text, chat=None if p.chat else False))
+               for task in tasks for p in load_prompts(task, prompts_per_task)]
+    max_k = max(gammas + [decoder.num_speculative_tokens]) + 1
+    draft = decoder.draft.backend if decoder.draft is not None else None
+    costs = measure_costs(decoder.target.backend, draft, prompts[0][1], max_k)
+    configs = build_configs(decoder, new_tokens, sampling, gammas, hf_schedules, hf_draft)
+    timings = run_configs(configs, prompts, repeats, progress)
+    rows = summarize(timings, costs, tasks)
+    best = theory(rows, costs, max_k)
+
+    meta = environment(target=decoder.target.name, draft=decoder.draft.name if decoder.draft else None,
+                       dtype=str(decoder.dtype).removeprefix("torch."), temperature=sampling.temperature,
+                       tasks=",".join(tasks), prompts_per_task=prompts_per_task, new_tokens=new_tokens,
+                       repeats=repeats)
+    body = [f"c = draft step / target step = {fmt(costs.get('c'), 3)} (target step {costs['target_step_s'] * 1000:.0f} ms"
+            + (f", draft step {costs['draft_step_s'] * 1000:.0f} ms" if "draft_step_s" in costs else "") + "); "
+            "verify cost r(k) = T(k tokens) / T(1 token): "
+            + ", ".join(f"r({k}) = {v:.2f}" for k, v in costs["r"].items()), ""]
+    speed_cols = ["all"] + tasks if len(tasks) > 1 else ["all"]
+    body += ["Speedup = tokens/s over the baseline's, median over repeats of the per-repeat ratio. "
+             "α̂ = accepted / (accepted + rejected); Thm 3.8 uses the measured α̂ and c; the corrected "
+             "prediction divides by γc + r(γ+1) instead of γc + 1.", ""]
+    table = []
+    for r in rows:
+        table.append([r["config"], fmt(r["tokens_per_s"]["all"])] + [f"{r['speedup'][t]:.2f}x" for t in speed_cols]
+                     + [fmt(r.get("alpha_hat")), fmt(r.get("tokens_per_call")), fmt(r.get("eq1_tokens_per_call")),
+                        fmt(r.get("predicted")), fmt(r.get("predicted_corrected")),
+                        f"{r['draft_share_of_time']:.0%}" if "draft_share_of_time" in r else "–",
+                        f"{r['same_tokens_as_plain']}/{len(prompts)}"])
+    body += markdown_table(["configuration", "tokens/s"] + [f"speedup ({t})" for t in speed_cols]
+                           + ["α̂", "tokens/call", "Eq. 1", "Thm 3.8", "Thm 3.8 with r", "draft share",
+                              "same tokens as plain"], table)
+    if best:
+        body += ["", f"Theory from the sweep's pooled α̂ = {best['alpha_pooled']:.3f} and c = {best['c']:.3f}: "
+                     f"optimal γ = {best['optimal_gamma']} ({best['optimal_speedup']:.2f}x); with the measured r(k): "
+                     f"γ = {best['optimal_gamma_corrected']} ({fmt(best['optimal_speedup_corrected'])}x). "
+                     f"Best measured: γ = {best['best_measured_gamma']} ({best['best_measured_speedup']:.2f}x)."]
+        stem = str(out)
+        sweep = [{"gamma": r["gamma"], "measured": r["speedup"]["all"], "predicted": r["predicted"],
+                  "predicted_corrected": r["predicted_corrected"], "alpha": r["alpha_hat"],
+                  "tokens_per_call": r["tokens_per_call"]} for r in rows if "gamma" in r]
+        figures = [plot_speedup_vs_gamma(sweep, stem + "_speedup_vs_gamma.png"),
+                   plot_expected_tokens(sweep, stem + "_expected_tokens.png"),
+                   plot_optimal_gamma(best["alpha_pooled"], best["c"], stem + "_optimal_gamma.png")]
+        body += [""] + [f"![{f.stem}]({f.name})" for f in figures]
+    data = {"costs": costs, "rows": rows, "theory": best}
+    write(out, "Speculative decoding benchmark", meta, body, data)
+    return {"meta": meta, **data}
