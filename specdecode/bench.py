@@ -28,38 +28,9 @@ from specdecode.analysis import expected_tokens, optimal_gamma, walltime_improve
 from specdecode.decoding import DecodeConfig, run
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
+from specdecode.timing import measure_costs
 
 BASELINE = "transformers generate, target alone"
-
-
-def time_forwards(backend, context: list[int], sizes: list[int], repeats: int = 7) -> dict[int, float]:
-    """Median seconds of one call appending k tokens (and scoring all k) after `context`, for each
-    k in sizes. The cache is rolled back after each call, so every call sees the same length; the
-    sizes are interleaved and a first round is discarded, so warm-up and drift hit all alike."""
-    backend.reset()
-    backend.forward(torch.tensor(context, dtype=torch.long), 1)
-    times = {k: [] for k in sizes}
-    for round_ in range(repeats + 1):
-        for k in sizes:
-            tokens = torch.tensor((context * k)[-k:], dtype=torch.long)
-            start = time.perf_counter()
-            backend.forward(tokens, k)
-            if round_:
-                times[k].append(time.perf_counter() - start)
-            backend.truncate(len(context))
-    backend.reset()
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def measure_costs(target, draft, context: list[int], max_k: int) -> dict:
-    """c (Def. 3.7) and r(k) for k = 1..max_k on this machine, at the given context length."""
-    target_times = time_forwards(target, context, list(range(1, max_k + 1)))
-    one = target_times[1]
-    costs = {"target_step_s": one, "r": {k: t / one for k, t in target_times.items()}}
-    if draft is not None:
-        costs["draft_step_s"] = time_forwards(draft, context, [1])[1]
-        costs["c"] = costs["draft_step_s"] / one
-    return costs
 
 
 def _hf_runner(model, new_tokens: int, sampling: SamplingParams, pad_id: int, assistant=None,
@@ -81,12 +52,14 @@ def _hf_runner(model, new_tokens: int, sampling: SamplingParams, pad_id: int, as
     return go
 
 
-def _our_runner(target, make_proposer: Callable, gamma: int, new_tokens: int, sampling: SamplingParams):
+def _our_runner(target, make_proposer: Callable, gamma: int, new_tokens: int, sampling: SamplingParams,
+                guard_costs: tuple[float, float] | None = None):
     def go(ids: list[int], seed: int):
         params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                 min_p=sampling.min_p, seed=seed)
         result = run(target, make_proposer(), ids, DecodeConfig(max_new_tokens=new_tokens, sampling=params,
-                                                                 num_speculative_tokens=gamma))
+                                                                 num_speculative_tokens=gamma,
+                                                                 costs=guard_costs))
         return result.token_ids, result.stats
     return go
 
@@ -104,7 +77,7 @@ def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: li
         for g in gammas:
             configs[f"specdecode γ={g}"] = _our_runner(target, lambda: DraftModelProposer(draft), g, new_tokens, sampling)
     configs["specdecode as configured"] = _our_runner(target, decoder._proposer, decoder.num_speculative_tokens,
-                                                      new_tokens, sampling)
+                                                      new_tokens, sampling, decoder.guard_costs)
     configs["prompt lookup alone"] = _our_runner(
         target, lambda: PromptLookupProposer(target.vocab_size), decoder.num_speculative_tokens, new_tokens, sampling)
     assistant = hf_draft if hf_draft is not None else (draft.model if draft is not None else None)
@@ -223,7 +196,7 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
                for task in tasks for p in load_prompts(task, prompts_per_task)]
     max_k = max(gammas + [decoder.num_speculative_tokens]) + 1
     draft = decoder.draft.backend if decoder.draft is not None else None
-    costs = measure_costs(decoder.target.backend, draft, prompts[0][1], max_k)
+    costs = measure_costs(decoder.target.backend, draft, prompts[0][1], list(range(1, max_k + 1)))
     configs = build_configs(decoder, new_tokens, sampling, gammas, hf_schedules, hf_draft)
     timings = run_configs(configs, prompts, repeats, progress)
     rows = summarize(timings, costs, tasks)

@@ -50,6 +50,10 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize-draft", action=argparse.BooleanOptionalAction, default=None,
                         help="store the draft's weights as int8 for a faster draft step; exact either way, "
                              "since only the proposal changes (default: on)")
+    parser.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True,
+                        help="pause drafting while the acceptances say it does not pay (paper Cor. 3.9: "
+                             "only if α > c, with c measured once at load), probing again every 16 steps; exact "
+                             "and reproducible either way (default: on)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                         help="weights and activations dtype; bfloat16 (default) is fastest on CPU, float32 for "
                              "bit-exact comparisons")
@@ -171,7 +175,7 @@ def _decoder(args, progress):
                               num_speculative_tokens=args.num_speculative_tokens,
                               draft_confidence=args.draft_confidence,
                               draft_vocab_limit=args.draft_vocab_limit or "auto",
-                              prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft,
+                              prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft, guard=args.guard,
                               dtype=args.dtype, progress=progress)
 
 

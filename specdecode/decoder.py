@@ -18,6 +18,7 @@ from specdecode.models import HFCausalLM
 from specdecode.models.quant import quantize_int8
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
+from specdecode.timing import measure_costs
 
 # The fastest exact configuration measured on the default pair (docs/benchmark_core.md): prompt
 # lookup first; otherwise draft up to 8 tokens, stopping once the draft is less than 40% sure of
@@ -168,6 +169,12 @@ class SpeculativeDecoder:
             cheaper draft step, still exact since only the proposal changes (paper §3.6).
             None (default): on for a draft loaded by name or path, off for a draft given as a
             loaded model (True quantizes a copy of it; the user's object is never changed).
+        guard: pause drafting while the request's acceptances say it does not pay (Cor. 3.9's
+            α > c checked at run time, specdecode.guard), probing again every 16 steps. Exact
+            either way, and reproducible: decisions depend on the tokens and c only. Default True.
+        guard_costs: (c, slope) for the guard: c = a draft forward's time over a target step's,
+            slope = (r(γ+1) − 1) / γ, the extra cost of each verified draft in target steps. None
+            (default) measures both once here (a few forwards of each model, ~3 s on the zoo pair).
         dtype: "bfloat16" (default), "float32" or "float16" for models loaded by name.
         progress: called with one-line messages while models are assembled and loaded.
     Raises:
@@ -178,13 +185,16 @@ class SpeculativeDecoder:
     def __init__(self, target="default", draft="default", *, tokenizer=None,
                  num_speculative_tokens: int = DEFAULT_GAMMA, draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
                  draft_vocab_limit: int | str | None = "auto", prompt_lookup: bool | None = None,
-                 quantize_draft: bool | None = None, dtype=None,
+                 quantize_draft: bool | None = None, guard: bool = True,
+                 guard_costs: tuple[float, float] | None = None, dtype=None,
                  progress: Callable[[str], None] | None = None):
         if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool) \
                 or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
         if not 0 <= draft_confidence < 1:
             raise ValueError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
+        if guard_costs is not None and (len(guard_costs) != 2 or not all(x >= 0 for x in guard_costs)):
+            raise ValueError(f"guard_costs must be two numbers >= 0 (c, slope), got {guard_costs!r}")
         if draft_vocab_limit not in (None, "auto") and (
                 not isinstance(draft_vocab_limit, int) or draft_vocab_limit < 1):
             raise ValueError(f"draft_vocab_limit must be a positive integer, 'auto' or None, got {draft_vocab_limit!r}")
@@ -208,6 +218,18 @@ class SpeculativeDecoder:
             self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, quantize_draft)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
         self.eos_token_ids = self._eos_ids(self.target.backend.model, self.tokenizer)
+        self.guard_costs = None  # None: no guard
+        if guard and self.draft is not None:
+            self.guard_costs = guard_costs or self._measure_guard_costs(progress)
+
+    def _measure_guard_costs(self, progress) -> tuple[float, float]:
+        if progress:
+            progress("measuring c (draft step / target step) and the verify cost r(γ+1) for the guard")
+        vocab = min(self.target.backend.vocab_size, self.draft.backend.vocab_size)
+        context = [i % vocab for i in range(100, 164)]
+        gamma = self.num_speculative_tokens
+        costs = measure_costs(self.target.backend, self.draft.backend, context, [gamma + 1], repeats=3)
+        return costs["c"], max(costs["r"][gamma + 1] - 1, 0.0) / gamma
         self._owner: GenerationStream | None = None
 
     def _load(self, spec, tokenizer, progress, vocab_limit=None, quantize=False) -> _Loaded:
@@ -309,7 +331,8 @@ class SpeculativeDecoder:
             raise ValueError("stop strings must be non-empty")
         config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling or SamplingParams(),
                               num_speculative_tokens=self.num_speculative_tokens,
-                              eos_token_ids=self.eos_token_ids, stop=stops)
+                              eos_token_ids=self.eos_token_ids, stop=stops,
+                              costs=self.guard_costs)
         ids = self.encode(prompt, chat)
         events = decode(self.target.backend, self._proposer(), ids, config, self.tokenizer)
         stream_ = GenerationStream(events, self)

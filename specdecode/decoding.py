@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from specdecode.guard import SpeculationGuard
 from specdecode.sampling import SamplingParams, adjust, make_generator, sample
 from specdecode.text import IncrementalDetokenizer, StopStrings
 from specdecode.verify import speculative_step
@@ -116,6 +117,9 @@ class DecodeConfig:
     eos_token_ids: frozenset[int] = frozenset()
     stop: tuple[str, ...] = ()
     lenience: float = 1.0
+    # (c, verify slope) in target calls: pause drafting while it does not pay
+    # (specdecode.guard, Cor. 3.9); None speculates on every step.
+    costs: tuple[float, float] | None = None
 
 
 class _Output:
@@ -191,14 +195,19 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
     if proposer is not None:
         proposer.configure(config.sampling, generator)
         proposer.start(prompt)
+    guard = None
+    if config.costs is not None and proposer is not None:
+        guard = SpeculationGuard(*config.costs)
     pending = prompt
     committed = len(prompt_ids)
     while out.finish_reason is None:
         if target.max_length is not None and committed >= target.max_length:
             out.finish_reason = "length"
             break
-        k = _clip_gamma(k_max, config.max_new_tokens - len(out.token_ids), target.max_length, committed)
+        k = k_max if guard is None or guard.speculate() else 0
+        k = _clip_gamma(k, config.max_new_tokens - len(out.token_ids), target.max_length, committed)
         # 1 propose
+        draft_calls = proposer.num_calls if proposer is not None else 0
         if k > 0:
             draft = proposer.propose(k)
             drafts = draft.tokens
@@ -231,6 +240,8 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
                 break
         # 5 record
         stats.record_step(k, n, pushed)
+        if guard is not None and k > 0:
+            guard.record(k, proposer.num_calls - draft_calls, n + 1)
         target.truncate(committed + n)
         if proposer is not None:
             proposer.commit(n, new_tokens)

@@ -88,14 +88,14 @@ class MislabelledProposer(DraftModelProposer):
         return Draft(draft.tokens, torch.full_like(draft.probs, 1.0 / draft.probs.shape[-1]))
 
 
-def loop_sequence_counts(make_proposer, params, runs, vocab=4, k=3, length=3):
+def loop_sequence_counts(make_proposer, params, runs, vocab=4, k=3, length=3, **options):
     target = TableModel(vocab, order=2, seed=20, sharpness=1.5)
     draft = TableModel(vocab, order=2, seed=21, sharpness=1.5)
     counts = Counter()
     for seed in range(runs):
         config = DecodeConfig(max_new_tokens=length, sampling=SamplingParams(
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed),
-            num_speculative_tokens=k)
+            num_speculative_tokens=k, **options)
         counts[tuple(run(target, make_proposer(draft), [1, 2], config).token_ids)] += 1
     expected = target_sequence_probs(target, [1, 2], length, params)
     seqs = sorted(expected)

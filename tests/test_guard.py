@@ -1,0 +1,104 @@
+"""The run-time α > c check (paper Cor. 3.9): pauses drafting when speculation loses, keeps
+drafting when it wins, is reproducible, and never changes the output distribution."""
+
+import random
+
+import pytest
+
+from specdecode import SamplingParams
+from specdecode.decoding import DecodeConfig, run
+from specdecode.guard import SpeculationGuard
+from specdecode.models import TableModel
+from specdecode.proposers import DraftModelProposer
+
+from conftest import chi2_pvalue
+from test_exactness import loop_sequence_counts
+
+
+def steps(guard, n, drafted, forwards, emitted):
+    decisions = []
+    for _ in range(n):
+        speculate = guard.speculate()
+        decisions.append(speculate)
+        if speculate:
+            guard.record(drafted, forwards, emitted)
+    return decisions
+
+
+def test_a_winning_draft_is_never_paused():
+    guard = SpeculationGuard(cost_coefficient=0.3, verify_slope=0.02)
+    # 3 tokens per call for 1 + 4·0.02 + 4·0.3 = 2.28 target steps: 0.76 per token
+    assert all(steps(guard, 100, drafted=4, forwards=4, emitted=3))
+    assert guard.num_pauses == 0
+
+
+def test_a_losing_draft_is_paused_and_probed_again():
+    guard = SpeculationGuard(cost_coefficient=0.3, probe_every=16, warmup=4)
+    decisions = steps(guard, 100, drafted=4, forwards=4, emitted=2)  # 2.2 / 2 = 1.1 > 1
+    assert decisions[:4] == [True] * 4 and decisions[4:20] == [False] * 16 and decisions[20]
+    assert sum(decisions) <= 4 + 100 // 16 + 1
+
+
+def test_the_verify_cost_can_tip_the_balance():
+    # 1.9 tokens per call with 3 free drafts (prompt lookup: no draft forwards)
+    assert all(steps(SpeculationGuard(0.0, verify_slope=0.0), 50, drafted=3, forwards=0, emitted=1))
+    assert not all(steps(SpeculationGuard(0.0, verify_slope=0.5), 50, drafted=3, forwards=0, emitted=2))
+
+
+def test_speculation_resumes_when_it_starts_to_pay():
+    guard = SpeculationGuard(cost_coefficient=0.3, probe_every=4, warmup=1)
+    steps(guard, 20, drafted=4, forwards=4, emitted=1)
+    later = steps(guard, 80, drafted=4, forwards=4, emitted=4)
+    assert all(later[-20:])
+
+
+@pytest.mark.parametrize("kwargs", [dict(cost_coefficient=-1), dict(verify_slope=-1), dict(probe_every=0),
+                                    dict(decay=1.0), dict(warmup=0)])
+def test_bad_settings_raise(kwargs):
+    with pytest.raises(ValueError):
+        SpeculationGuard(**{"cost_coefficient": 0.1, **kwargs})
+
+
+def wrong_pair():
+    target, draft = TableModel(8, seed=0), TableModel(8, seed=0)
+    draft.table = -draft.table  # the greedy draft proposes the target's least likely token
+    return target, draft
+
+
+def test_the_loop_stops_calling_a_draft_that_does_not_pay_and_keeps_the_greedy_output():
+    target, draft = wrong_pair()
+    greedy = SamplingParams(temperature=0)
+    plain = run(target, None, [1, 2], DecodeConfig(max_new_tokens=80, sampling=greedy))
+    proposer = DraftModelProposer(draft)
+    guarded = run(target, proposer, [1, 2], DecodeConfig(max_new_tokens=80, sampling=greedy,
+                                                         num_speculative_tokens=3, costs=(0.3, 0.0)))
+    assert guarded.token_ids == plain.token_ids
+    assert guarded.stats.num_target_calls == 80  # α = 0: one token per call either way
+    assert proposer.num_calls <= 3 * (4 + 80 // 16 + 1)  # warm-up, then one probe per pause
+    unguarded = DraftModelProposer(draft)
+    run(target, unguarded, [1, 2], DecodeConfig(max_new_tokens=80, sampling=greedy, num_speculative_tokens=3))
+    assert unguarded.num_calls > 3 * proposer.num_calls
+
+
+def test_a_guarded_sampled_request_is_reproducible_from_its_seed():
+    target, draft = TableModel(6, seed=0, sharpness=1.0), TableModel(6, seed=1, sharpness=1.0)
+    config = DecodeConfig(max_new_tokens=200, sampling=SamplingParams(seed=7), num_speculative_tokens=4,
+                          costs=(0.4, 0.05))
+    first = run(target, DraftModelProposer(draft), [1, 2], config)
+    assert run(target, DraftModelProposer(draft), [1, 2], config).token_ids == first.token_ids
+
+
+class CoinGuard(SpeculationGuard):
+    """Pauses at random (its own RNG): every mix of plain and speculative steps shows up."""
+
+    rng = random.Random(0)
+
+    def speculate(self):
+        return self.rng.random() < 0.5
+
+
+def test_guarded_loop_keeps_the_target_distribution_chi_square(monkeypatch):
+    monkeypatch.setattr("specdecode.decoding.SpeculationGuard", CoinGuard)
+    observed, probs = loop_sequence_counts(lambda d: DraftModelProposer(d), SamplingParams(), runs=3000,
+                                           costs=(0.1, 0.0))
+    assert chi2_pvalue(observed, probs) > 1e-3
