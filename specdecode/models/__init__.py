@@ -12,6 +12,7 @@ Every backend has:
 """
 
 from specdecode.models.hf import HFCausalLM
-from specdecode.models.table import TableModel
+from specdecode.models.hf_batch import HFBatchedCausalLM
+from specdecode.models.table import BatchedTableModel, TableModel
 
-__all__ = ["HFCausalLM", "TableModel"]
+__all__ = ["HFCausalLM", "HFBatchedCausalLM", "TableModel", "BatchedTableModel"]

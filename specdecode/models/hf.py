@@ -5,6 +5,23 @@ from __future__ import annotations
 import torch
 
 
+def limited_head(model, vocab_limit: int | None) -> tuple[torch.Tensor | None, int]:
+    """(the first vocab_limit rows of the LM head, or None for the full head; V).
+
+    Raises:
+        ValueError: vocab_limit on a model whose LM head is not a plain linear layer.
+    """
+    head = model.get_output_embeddings()
+    vocab_size = head.weight.shape[0]
+    if vocab_limit is None or vocab_limit >= vocab_size:
+        return None, vocab_size
+    scaled = any(getattr(model.config, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None or scaled:
+        raise ValueError(f"vocab_limit needs a plain linear LM head; {type(model).__name__} has another")
+    # A view of the first rows: no copy, and the user's model is untouched.
+    return head.weight[:vocab_limit], vocab_limit
+
+
 class HFCausalLM:
     """Wraps a transformers `PreTrainedModel` (decoder-only) with a DynamicCache and exact rollback.
 
@@ -27,16 +44,7 @@ class HFCausalLM:
 
         self.model = model.eval()
         self._cache_class = DynamicCache
-        head = model.get_output_embeddings()
-        self.vocab_size = head.weight.shape[0]
-        self._head_weight = None
-        if vocab_limit is not None and vocab_limit < self.vocab_size:
-            scaled = any(getattr(model.config, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-            if not isinstance(head, torch.nn.Linear) or head.bias is not None or scaled:
-                raise ValueError(f"vocab_limit needs a plain linear LM head; {type(model).__name__} has another")
-            # A view of the first rows: no copy, and the user's model is untouched.
-            self._head_weight = head.weight[:vocab_limit]
-            self.vocab_size = vocab_limit
+        self._head_weight, self.vocab_size = limited_head(model, vocab_limit)
         self.max_length = getattr(model.config, "max_position_embeddings", None)
         self.reset()
 
