@@ -21,9 +21,11 @@ import torch
 
 from specdecode.models.hf import limited_head
 
-# Compact once dead slots exceed both the live length and this many slots: compaction copies the
-# whole cache, so it should happen rarely (about once per doubling of dead slots).
+# Compact once dead slots exceed both this many slots and the longest row's length: compaction
+# copies the whole cache, so it should happen rarely, while dead slots must not dominate the
+# attention cost.
 COMPACT_MIN_DEAD = 64
+COMPACT_RATIO = 1.0
 
 
 def supports_batching(model) -> bool:
@@ -40,7 +42,9 @@ class HFBatchedCausalLM:
     Args:
         model: a loaded causal LM without sliding-window attention; never modified.
         vocab_limit: score only ids below this (see HFCausalLM); None scores the whole vocabulary.
-        compact_min_dead: compact the cache once dead slots exceed this and the live length.
+        compact_min_dead, compact_ratio: compact the cache once its dead slots (S − longest row)
+            exceed compact_min_dead and compact_ratio × the longest row; 0, 0 compacts whenever
+            any slot is dead (for tests).
     Attributes:
         vocab_size: V.  max_length: the context window in tokens per row, or None.
         lengths: [B] int64, tokens held per row (the next token's position id).
@@ -48,7 +52,8 @@ class HFBatchedCausalLM:
         ValueError: a sliding-window model, or vocab_limit on a non-linear LM head.
     """
 
-    def __init__(self, model, vocab_limit: int | None = None, compact_min_dead: int = COMPACT_MIN_DEAD):
+    def __init__(self, model, vocab_limit: int | None = None, compact_min_dead: int = COMPACT_MIN_DEAD,
+                 compact_ratio: float = COMPACT_RATIO):
         from transformers import DynamicCache
 
         if not supports_batching(model):
@@ -58,7 +63,7 @@ class HFBatchedCausalLM:
         self._cache_class = DynamicCache
         self._head_weight, self.vocab_size = limited_head(model, vocab_limit)
         self.max_length = getattr(model.config, "max_position_embeddings", None)
-        self.compact_min_dead = compact_min_dead
+        self.compact_min_dead, self.compact_ratio = compact_min_dead, compact_ratio
         self.start(1)
 
     def start(self, batch_size: int) -> None:
@@ -145,7 +150,7 @@ class HFBatchedCausalLM:
             self.valid = self.valid[:, :end]
         longest = int(self.lengths.max()) if len(self.lengths) else 0
         dead = self.num_slots - longest
-        if dead > self.compact_min_dead and dead > longest:
+        if dead > self.compact_min_dead and dead > self.compact_ratio * longest:
             self._compact()
 
     def _compact(self) -> None:
