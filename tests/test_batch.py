@@ -209,3 +209,36 @@ def test_sliding_window_models_are_refused_by_the_batched_backend():
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
     with pytest.raises(ValueError, match="sliding-window"):
         HFBatchedCausalLM(MistralForCausalLM(config))
+
+
+# --- throughput (specdecode.batch_bench) ---------------------------------------------------------
+
+def test_batch_throughput_reports_sane_rows_for_tables_and_tiny_llamas(llama_pair):
+    from specdecode.batch_bench import batch_throughput
+
+    target, draft = table_pair_close()
+    for target_backend, draft_backend, prompts in ((target, draft, PROMPTS),
+                                                   (HFCausalLM(llama_pair[0]), HFCausalLM(llama_pair[1]),
+                                                    LLAMA_PROMPTS)):
+        rows = batch_throughput(target_backend, draft_backend, prompts, [1, 3], new_tokens=8, gamma=3,
+                                sampling=SamplingParams(seed=0))
+        assert [(r["batch_size"], r["method"]) for r in rows] == [(1, "plain"), (1, "speculative"),
+                                                                   (3, "plain"), (3, "speculative")]
+        for r in rows:
+            assert r["num_tokens"] == 8 * r["batch_size"]  # EOS ignored: every row runs to the limit
+            assert r["tokens_per_second"] > 0 and 0 < r["mean_latency_s"] <= r["wall_time_s"] * 1.01
+            assert r["speedup"] > 0
+        plain, spec = rows[0], rows[1]
+        assert plain["mean_tokens_per_call"] == 1.0 and plain["acceptance_rate"] is None and plain["gamma"] == 0
+        assert spec["mean_tokens_per_call"] > 1.0 and 0 < spec["acceptance_rate"] <= 1
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(batch_sizes=[0]), "batch_sizes"), (dict(prompt_ids=[[]]), "prompt_ids"),
+                                          (dict(gamma=0), "gamma")])
+def test_batch_throughput_rejects_bad_arguments(kwargs, match):
+    from specdecode.batch_bench import batch_throughput
+
+    args = dict(target_backend=TableModel(4), draft_backend=None, prompt_ids=[[1]], batch_sizes=[1],
+                new_tokens=2, gamma=2, sampling=GREEDY) | kwargs
+    with pytest.raises(ValueError, match=match):
+        batch_throughput(**args)
