@@ -154,19 +154,23 @@ def llama_pair():
 LLAMA_PROMPTS = [[5, 17, 33, 2, 71, 40, 8], [9, 3], [60, 61, 62, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [44]]
 
 
-@pytest.mark.parametrize("k,confidence,compact", [(3, 0.0, 1), (6, 0.3, 1), (4, 0.0, 0)],
+@pytest.mark.parametrize("k,confidence,compact", [(3, 0.0, False), (6, 0.3, False), (4, 0.0, True)],
                          ids=["k3", "k6-dynamic", "k4-compact-always"])
-def test_batched_greedy_equals_single_greedy_on_tiny_llamas(llama_pair, k, confidence, compact):
+def test_batched_greedy_equals_single_greedy_on_tiny_llamas(llama_pair, k, confidence, compact, monkeypatch):
     target, draft = llama_pair
+    compactions = []
+    real_compact = HFBatchedCausalLM._compact
+    monkeypatch.setattr(HFBatchedCausalLM, "_compact", lambda self: compactions.append(1) or real_compact(self))
     configs = [DecodeConfig(max_new_tokens=n, sampling=GREEDY, num_speculative_tokens=k) for n in (40, 25, 40, 33)]
-    batch = decode_batch(HFBatchedCausalLM(target, compact_min_dead=compact, compact_ratio=compact),
-                         HFBatchedCausalLM(draft, compact_min_dead=compact, compact_ratio=compact), LLAMA_PROMPTS, configs,
+    policy = dict(compact_min_dead=0, compact_ratio=0) if compact else {}  # always, or the default policy
+    batch = decode_batch(HFBatchedCausalLM(target, **policy), HFBatchedCausalLM(draft, **policy), LLAMA_PROMPTS, configs,
                          draft_confidence=confidence)
     for prompt, config, got in zip(LLAMA_PROMPTS, configs, batch):
         plain = run(HFCausalLM(target), None, prompt, DecodeConfig(max_new_tokens=config.max_new_tokens,
                                                                     sampling=GREEDY))
         assert got.token_ids == plain.token_ids
         assert 0 < got.stats.num_accepted < got.stats.num_drafted
+    assert (len(compactions) > 5) == compact
 
 
 def test_plain_batched_greedy_equals_single_greedy_on_a_tiny_llama(llama_pair):
