@@ -128,7 +128,8 @@ def test_batched_loop_matches_target_distribution_chi_square():
 
 
 def test_chi_square_detects_a_batch_that_does_not_roll_back_rejected_drafts():
-    assert min(batched_sequence_counts(NoRollbackTable)) < 1e-6
+    # 300 batches suffice: the broken batch's p-values are below 1e-100
+    assert max(batched_sequence_counts(NoRollbackTable, batches=300)) < 1e-6
 
 
 def test_mismatched_prompts_and_configs_raise():
