@@ -61,6 +61,34 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="no progress messages, progress bars or summary on stderr (errors still print)")
 
 
+def _read_prompts_file(path: str) -> list[str]:
+    """One prompt per non-blank line; a .jsonl file holds one object with a "prompt" string per line.
+
+    Raises:
+        OSError, UnicodeDecodeError: unreadable or not UTF-8.
+        ValueError: a .jsonl line that is not an object with a "prompt" string, or no prompts.
+    """
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if not path.endswith(".jsonl"):
+            prompts.append(line)
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not JSON ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ValueError(f'{path}:{number}: expected an object with a "prompt" string')
+        prompts.append(record["prompt"])
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specdecode",
@@ -72,7 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="generate text from a prompt",
         description="Generate text with the target model, speculating with the draft model. Text streams "
                     "to stdout as it is accepted; a one-line summary goes to stderr.")
-    gen.add_argument("prompt", help="the prompt text, '-' to read stdin, or @FILE to read a file")
+    gen.add_argument("prompt", nargs="?",
+                     help="the prompt text, '-' to read stdin, or @FILE to read a file (or use --prompts-file)")
+    gen.add_argument("--prompts-file", metavar="FILE",
+                     help="decode many prompts as a batch: one prompt per line, or a .jsonl file of objects "
+                          'with a "prompt" field (for prompts with newlines); instead of PROMPT')
+    gen.add_argument("--batch-size", type=int, default=None, metavar="N",
+                     help="with --prompts-file, decode N prompts together (default: all; 1 = one at a time). "
+                          "The batch drafts with the draft model only (no prompt lookup)")
     _add_model_flags(gen)
     gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy (default: 1.0)")
     gen.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 = off (default)")
@@ -87,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="send the prompt as raw text; by default an instruct model's chat template is applied")
     gen.add_argument("--show-tokens", action="store_true",
                      help="colour each token by origin: green = accepted draft, blue = target correction, "
-                          "yellow = bonus token (paper Figure 1)")
+                          "yellow = bonus token (paper Figure 1); single prompt only")
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object (text, token_ids, finish_reason, stats) instead of streaming")
+                     help="print one JSON object (text, token_ids, finish_reason, stats) instead of streaming; "
+                          "with --prompts-file, one JSON line per prompt, in order, with its 0-based index")
 
     alpha = sub.add_parser(
         "alpha", help="measure the acceptance rate α of several drafts on benchmark prompts",
@@ -192,42 +228,55 @@ def _generate(args, parser) -> int:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if any(not s for s in args.stop):
         parser.error("--stop takes non-empty text")
+    if (args.prompt is None) == (args.prompts_file is None):
+        parser.error("give either a PROMPT or --prompts-file FILE")
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     try:
-        prompt = _read_prompt(args.prompt)
-    except (OSError, UnicodeDecodeError) as err:
-        parser.error(f"cannot read the prompt: {err}")
+        prompt = _read_prompt(args.prompt) if args.prompt is not None else _read_prompts_file(args.prompts_file)
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        parser.error(f"cannot read the prompt{'' if args.prompt is not None else 's'}: {err}")
     if not prompt:
         parser.error("the prompt is empty")
 
     progress = _progress(args)
     try:
         decoder = _decoder(args, progress)
-        stream = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                  stop=args.stop, stream=True, chat=False if args.raw else None)
-        for event in stream:
-            if args.json:
-                continue
-            if args.show_tokens and event.origin in COLOURS and event.text:
-                sys.stdout.write(COLOURS[event.origin] + event.text + RESET)
-            else:
-                sys.stdout.write(event.text)
-            sys.stdout.flush()
+        if isinstance(prompt, list):
+            results = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                       stop=args.stop, chat=False if args.raw else None, batch_size=args.batch_size)
+        else:
+            stream = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                      stop=args.stop, stream=True, chat=False if args.raw else None)
+            for event in stream:
+                if args.json:
+                    continue
+                if args.show_tokens and event.origin in COLOURS and event.text:
+                    sys.stdout.write(COLOURS[event.origin] + event.text + RESET)
+                else:
+                    sys.stdout.write(event.text)
+                sys.stdout.flush()
+            results = [stream.result]
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f"specdecode: error: {err}", file=sys.stderr)
         return 2
-    result = stream.result
-    if args.json:
-        print(json.dumps(result.to_dict(), ensure_ascii=False))
-    else:
-        sys.stdout.write("\n")
-    if not args.quiet:
-        s = result.stats
-        line = f"{s.num_generated} tokens in {s.wall_time_s:.2f} s ({s.tokens_per_second:.2f} tokens/s), " \
-               f"finish: {result.finish_reason}, target calls: {s.num_target_calls}, " \
-               f"mean tokens per target call: {s.mean_tokens_per_call:.2f}"
-        if s.num_drafted:
-            line += f", acceptance rate: {s.acceptance_rate:.3f} ({s.num_accepted}/{s.num_drafted})"
-        print(line, file=sys.stderr)
+    batch = isinstance(prompt, list)
+    for index, result in enumerate(results):
+        if args.json:
+            record = ({"index": index} if batch else {}) | result.to_dict()
+            print(json.dumps(record, ensure_ascii=False))
+        elif batch:
+            print(f"===== prompt {index + 1}/{len(results)} =====\n{result.text}")
+        else:
+            sys.stdout.write("\n")
+        if not args.quiet:
+            s = result.stats
+            line = f"{s.num_generated} tokens in {s.wall_time_s:.2f} s ({s.tokens_per_second:.2f} tokens/s), " \
+                   f"finish: {result.finish_reason}, target calls: {s.num_target_calls}, " \
+                   f"mean tokens per target call: {s.mean_tokens_per_call:.2f}"
+            if s.num_drafted:
+                line += f", acceptance rate: {s.acceptance_rate:.3f} ({s.num_accepted}/{s.num_drafted})"
+            print((f"prompt {index + 1}: " if batch else "") + line, file=sys.stderr)
     return 0
 
 

@@ -13,8 +13,10 @@ from typing import Callable, Iterator
 import torch
 
 from specdecode import zoo
+from specdecode.batch import decode_batch
 from specdecode.decoding import DecodeConfig, GenerationResult, TokenEvent, decode
-from specdecode.models import HFCausalLM
+from specdecode.models import HFBatchedCausalLM, HFCausalLM
+from specdecode.models.hf_batch import supports_batching
 from specdecode.models.quant import quantize_int8
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
@@ -171,7 +173,8 @@ class SpeculativeDecoder:
             loaded model (True quantizes a copy of it; the user's object is never changed).
         guard: pause drafting while the request's acceptances say it does not pay (Cor. 3.9's
             α > c checked at run time, specdecode.guard), probing again every 16 steps. Exact
-            either way, and reproducible: decisions depend on the tokens and c only. Default True.
+            either way. Seeded sampled requests are not guarded, so that a seed gives the same
+            output alone, in a batch and in another process. Default True.
         guard_costs: (c, slope) for the guard: c = a draft forward's time over a target step's,
             slope = (r(γ+1) − 1) / γ, the extra cost of each verified draft in target steps. None
             (default) measures both once here (a few forwards of each model, ~3 s on the zoo pair).
@@ -260,6 +263,42 @@ class SpeculativeDecoder:
             proposer = PromptLookupProposer(self.target.backend.vocab_size, fallback=proposer)
         return proposer
 
+    def _config(self, max_new_tokens, sampling, stop) -> DecodeConfig:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        sampling = sampling or SamplingParams()
+        # A seeded sampled request must give the same output alone, in a batch (which has no
+        # guard) and in another process (which measures its own c): the guard stays out of it.
+        # Greedy output does not depend on when drafting pauses.
+        guarded = sampling.greedy or sampling.seed is None
+        return DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling,
+                            num_speculative_tokens=self.num_speculative_tokens, eos_token_ids=self.eos_token_ids,
+                            stop=stops, costs=self.guard_costs if guarded else None)
+
+    def _can_batch(self) -> bool:
+        """Lookup-only decoding has no batched form; sliding-window models have no batched backend."""
+        if self.draft is None and self.prompt_lookup:
+            return False
+        loaded = [self.target] + ([self.draft] if self.draft is not None else [])
+        return all(supports_batching(m.backend.model) for m in loaded)
+
+    def _generate_batch(self, prompts: list[list[int]], config: DecodeConfig, batch_size: int) -> list[GenerationResult]:
+        # Batched backends wrap the same model objects with caches of their own, so a paused
+        # stream on this decoder keeps its state.
+        target = HFBatchedCausalLM(self.target.backend.model, self.target.backend.vocab_size)
+        draft = None
+        if self.draft is not None:
+            draft = HFBatchedCausalLM(self.draft.backend.model, self.draft.backend.vocab_size)
+        results = []
+        for first in range(0, len(prompts), batch_size):
+            chunk = prompts[first:first + batch_size]
+            results += decode_batch(target, draft, chunk, [config] * len(chunk), self.tokenizer,
+                                    draft_confidence=self.draft_confidence)
+        return results
+
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
         """A string (chat template applied per `chat`) or token ids → validated token ids.
 
@@ -300,39 +339,45 @@ class SpeculativeDecoder:
         return ids
 
     def generate(self, prompt, *, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
-                 stop: list[str] | str | None = None, stream: bool = False, chat: bool | None = None):
+                 stop: list[str] | str | None = None, stream: bool = False, chat: bool | None = None,
+                 batch_size: int | None = None):
         """Generate a continuation whose distribution is exactly the target's (paper §2.3).
 
         Args:
-            prompt: a string, a list of token ids (used verbatim), or a list of either (decoded
-                one after another; returns a list of results).
-            max_new_tokens: at most this many new tokens (>= 1).
-            sampling: SamplingParams; default temperature 1.0. temperature=0 is greedy.
+            prompt: a string, a list of token ids (used verbatim), or a list of either: a batch,
+                decoded together (specdecode.batch), returning a list of results in order.
+            max_new_tokens: at most this many new tokens (>= 1), per prompt.
+            sampling: SamplingParams; default temperature 1.0. temperature=0 is greedy. In a batch
+                every prompt gets its own generator from this seed, so each result equals the
+                prompt's result alone with the same settings.
             stop: a string or list of strings that end the output (excluded from the text).
-            stream: return a GenerationStream of TokenEvents instead of the result.
+            stream: return a GenerationStream of TokenEvents instead of the result (one prompt).
             chat: apply the chat template (None: for string prompts when the target has one).
+            batch_size: for a list of prompts, how many decode together: None = all, 1 = one
+                after another. The batch path drafts with the draft model at fixed γ (with
+                draft_confidence's dynamic γ) and skips prompt lookup; lookup-only decoding
+                (draft=None, prompt_lookup=True) and sliding-window models always go one at a time.
         Returns:
             GenerationResult (.text, .token_ids, .finish_reason, .stats, .origins), a list of
             them for a batch, or a GenerationStream.
         Raises:
-            ValueError: bad prompt, max_new_tokens < 1, empty stop string.
+            ValueError: bad prompt (any prompt of a batch, before anything is generated),
+                max_new_tokens < 1, empty stop string, batch_size not None or >= 1, stream=True
+                with a list.
         """
+        config = self._config(max_new_tokens, sampling, stop)
+        if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
+                                       or batch_size < 1):
+            raise ValueError(f"batch_size must be None (all at once) or an integer >= 1, got {batch_size!r}")
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple)):
             if stream:
                 raise ValueError("stream=True takes one prompt, not a list")
             # Encode (and so validate) every prompt before generating any; the ids go in verbatim.
             encoded = [self.encode(p, chat) for p in prompt]
-            return [self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
-                    for ids in encoded]
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling or SamplingParams(),
-                              num_speculative_tokens=self.num_speculative_tokens,
-                              eos_token_ids=self.eos_token_ids, stop=stops,
-                              costs=self.guard_costs)
+            if batch_size == 1 or not self._can_batch():
+                return [self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
+                        for ids in encoded]
+            return self._generate_batch(encoded, config, batch_size or len(encoded))
         ids = self.encode(prompt, chat)
         events = decode(self.target.backend, self._proposer(), ids, config, self.tokenizer)
         stream_ = GenerationStream(events, self)

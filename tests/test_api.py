@@ -237,3 +237,102 @@ def test_quantize_draft_never_changes_the_users_model(model_dirs, char_tokenizer
         assert isinstance(draft.lm_head, torch.nn.Linear)  # the user's object is untouched
         used = decoder.draft.backend.model
         assert (used is not draft and isinstance(used.lm_head, Int8Linear)) if quantize else used is draft
+
+
+# --- batches (specdecode.batch through generate) --------------------------------------------------
+
+BATCH_PROMPTS = ["abc", [5, 6, 7, 8, 9, 10, 4], "h", "badcafe ge"]
+
+
+def test_a_list_of_prompts_decodes_as_one_batch_and_equals_one_at_a_time(decoder, monkeypatch):
+    import specdecode.decoder as decoder_module
+
+    calls = []
+    real = decoder_module.decode_batch
+    monkeypatch.setattr(decoder_module, "decode_batch", lambda *a, **kw: calls.append(len(a[2])) or real(*a, **kw))
+    greedy = SamplingParams(temperature=0)
+    batched = decoder.generate(BATCH_PROMPTS, max_new_tokens=15, sampling=greedy, stop=["ee"])
+    assert calls == [4]
+    sequential = decoder.generate(BATCH_PROMPTS, max_new_tokens=15, sampling=greedy, stop=["ee"], batch_size=1)
+    assert calls == [4]
+    for got, alone in zip(batched, sequential):
+        assert got.token_ids == alone.token_ids and got.text == alone.text
+        assert got.finish_reason == alone.finish_reason
+    assert decoder.generate(BATCH_PROMPTS, max_new_tokens=15, sampling=greedy, batch_size=3)[3].token_ids == \
+        decoder.generate(BATCH_PROMPTS[3], max_new_tokens=15, sampling=greedy).token_ids
+    assert calls == [4, 3, 1]
+
+
+def test_batched_stop_strings_end_each_row_on_its_own(decoder):
+    greedy = SamplingParams(temperature=0)
+    stop = decoder.generate(BATCH_PROMPTS[0], max_new_tokens=8, sampling=greedy).text[3:5]  # ends row 0 early
+    batched = decoder.generate(BATCH_PROMPTS, max_new_tokens=20, sampling=greedy, stop=stop)
+    for prompt, got in zip(BATCH_PROMPTS, batched):
+        single = decoder.generate(prompt, max_new_tokens=20, sampling=greedy, stop=stop)
+        assert (got.text, got.token_ids, got.finish_reason) == (single.text, single.token_ids, single.finish_reason)
+    assert batched[0].finish_reason == "stop" and stop not in batched[0].text
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, 1.5, True, "2"])
+def test_bad_batch_size_raises(decoder, batch_size):
+    with pytest.raises(ValueError, match="batch_size"):
+        decoder.generate(["abc", "de"], max_new_tokens=4, batch_size=batch_size)
+
+
+def test_lookup_only_decoding_falls_back_to_one_prompt_at_a_time(model_dirs, monkeypatch):
+    import specdecode.decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "decode_batch", None)  # would raise if called
+    lookup = SpeculativeDecoder(model_dirs["target"], None, prompt_lookup=True, dtype="float32")
+    results = lookup.generate(["abcab", "hh"], max_new_tokens=6, sampling=SamplingParams(temperature=0))
+    assert [len(r.token_ids) for r in results] == [6, 6]
+
+
+def test_cli_prompts_file_writes_one_json_line_per_prompt(model_dirs, tmp_path, capsys):
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("abc\n\nhgf\nba\n")
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text('{"prompt": "abc"}\n{"prompt": "hgf", "id": 7}\n{"prompt": "ba"}\n')
+    common = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--temperature", "0",
+              "--max-new-tokens", "6", "--dtype", "float32", "--json", "--quiet"]
+    outputs = []
+    for path, extra in ((lines, []), (jsonl, ["--batch-size", "2"])):
+        assert main(["generate", "--prompts-file", str(path)] + common + extra) == 0
+        outputs.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
+    strip = [[{key: o[key] for key in ("index", "text", "token_ids", "finish_reason")} for o in out] for out in outputs]
+    assert strip[0] == strip[1]
+    assert [o["index"] for o in outputs[0]] == [0, 1, 2] and set(outputs[0][0]) == {"index", "text", "token_ids",
+                                                                                   "finish_reason", "stats"}
+    assert main(["generate", "hgf"] + common) == 0
+    single = json.loads(capsys.readouterr().out)
+    assert outputs[0][1]["token_ids"] == single["token_ids"] and outputs[0][1]["text"] == single["text"]
+
+
+def test_cli_prompts_file_prints_each_text_under_a_header(model_dirs, tmp_path, capsys):
+    path = tmp_path / "prompts.txt"
+    path.write_text("abc\nhgf\n")
+    assert main(["generate", "--prompts-file", str(path), "--target", model_dirs["target"], "--draft", "none",
+                 "--seed", "1", "--max-new-tokens", "5", "--dtype", "float32"]) == 0
+    captured = capsys.readouterr()
+    assert "===== prompt 1/2 =====" in captured.out and "===== prompt 2/2 =====" in captured.out
+    assert "prompt 2: 5 tokens" in captured.err
+
+
+@pytest.mark.parametrize("args,content,match", [
+    (["hello", "--prompts-file", "{path}"], "abc\n", "either a PROMPT or --prompts-file"),
+    ([], None, "either a PROMPT or --prompts-file"),
+    (["--prompts-file", "{path}"], "\n\n", "holds no prompts"),
+    (["--prompts-file", "{path}.jsonl"], '{"text": "abc"}\n', '"prompt" string'),
+    (["--prompts-file", "{path}.jsonl"], "not json\n", "not JSON"),
+    (["--prompts-file", "{path}", "--batch-size", "0"], "abc\n", "batch-size"),
+    (["--prompts-file", "{path}-missing"], None, "cannot read the prompts"),
+])
+def test_cli_prompts_file_usage_errors_exit_2(tmp_path, capsys, args, content, match):
+    path = tmp_path / "p"
+    if content is not None:
+        for suffix in ("", ".jsonl"):
+            (tmp_path / ("p" + suffix)).write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate"] + [a.format(path=path) for a in args])
+    assert exit_info.value.code == 2
+    assert match in capsys.readouterr().err

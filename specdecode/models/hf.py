@@ -7,6 +7,27 @@ import torch
 from specdecode.models.quant import Int8Linear
 
 
+def limited_head(model, vocab_limit: int | None):
+    """(a function hidden [..., H] → logits of the first vocab_limit ids, or None for the model's
+    own head; V). Works for float and Int8Linear heads.
+
+    Raises:
+        ValueError: vocab_limit on a model whose LM head is not a plain linear layer.
+    """
+    head = model.get_output_embeddings()
+    vocab_size = head.out_features if isinstance(head, Int8Linear) else head.weight.shape[0]
+    if vocab_limit is None or vocab_limit >= vocab_size:
+        return None, vocab_size
+    scaled = any(getattr(model.config, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    if not isinstance(head, (torch.nn.Linear, Int8Linear)) or head.bias is not None or scaled:
+        raise ValueError(f"vocab_limit needs a plain linear LM head; {type(model).__name__} has another")
+    # Views of the first rows: no copy, and the user's model is untouched.
+    if isinstance(head, Int8Linear):
+        return head.first_rows(vocab_limit), vocab_limit
+    weight = head.weight[:vocab_limit]
+    return (lambda hidden: torch.nn.functional.linear(hidden, weight)), vocab_limit
+
+
 class HFCausalLM:
     """Wraps a transformers `PreTrainedModel` (decoder-only) with a DynamicCache and exact rollback.
 
@@ -29,20 +50,7 @@ class HFCausalLM:
 
         self.model = model.eval()
         self._cache_class = DynamicCache
-        head = model.get_output_embeddings()
-        self.vocab_size = head.out_features if isinstance(head, Int8Linear) else head.weight.shape[0]
-        self._head = None
-        if vocab_limit is not None and vocab_limit < self.vocab_size:
-            scaled = any(getattr(model.config, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-            if not isinstance(head, (torch.nn.Linear, Int8Linear)) or head.bias is not None or scaled:
-                raise ValueError(f"vocab_limit needs a plain linear LM head; {type(model).__name__} has another")
-            # A view of the first rows: no copy, and the user's model is untouched.
-            if isinstance(head, Int8Linear):
-                self._head = head.first_rows(vocab_limit)
-            else:
-                weight = head.weight[:vocab_limit]
-                self._head = lambda hidden: torch.nn.functional.linear(hidden, weight)
-            self.vocab_size = vocab_limit
+        self._head, self.vocab_size = limited_head(model, vocab_limit)
         self.max_length = getattr(model.config, "max_position_embeddings", None)
         self.reset()
 

@@ -48,3 +48,46 @@ class TableModel:
 
     def reset(self) -> None:
         self.tokens = []
+
+
+class BatchedTableModel:
+    """B rows over one TableModel, with the batched backend interface of HFBatchedCausalLM
+    (forward(feeds, num_logits) → [B, num_logits, V]; truncate(lengths); select(rows)). Logits
+    are exactly the table's, so batched and single runs can be compared token for token."""
+
+    def __init__(self, model: TableModel):
+        self.model = model
+        self.vocab_size = model.vocab_size
+        self.max_length = model.max_length
+        self.num_forward_calls = 0
+        self.start(1)
+
+    def start(self, batch_size: int) -> None:
+        self.rows: list[list[int]] = [[] for _ in range(batch_size)]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor([len(row) for row in self.rows], dtype=torch.long)
+
+    def forward(self, feeds: list[list[int]], num_logits: int) -> torch.Tensor:
+        if len(feeds) != len(self.rows) or not any(len(f) for f in feeds):
+            raise ValueError(f"need {len(self.rows)} feeds, not all empty; got lengths {[len(f) for f in feeds]}")
+        self.num_forward_calls += 1
+        out = torch.zeros((len(feeds), num_logits, self.vocab_size))
+        for b, feed in enumerate(feeds):
+            row = self.rows[b]
+            row.extend(int(t) for t in feed)
+            # logits exist only after this row's new tokens; padding entries stay 0
+            m = min(num_logits, len(feed))
+            for j in range(m):
+                out[b, num_logits - m + j] = self.model.logits_for(row[:len(row) - m + j + 1])
+        return out
+
+    def truncate(self, lengths: list[int]) -> None:
+        for row, length in zip(self.rows, lengths):
+            if length > len(row):
+                raise ValueError(f"cannot truncate a row of {len(row)} tokens to {length}")
+            del row[length:]
+
+    def select(self, rows: list[int]) -> None:
+        self.rows = [self.rows[b] for b in rows]
