@@ -267,7 +267,8 @@ class SpeculativeDecoder:
         return ids
 
     def generate(self, prompt, *, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
-                 stop: list[str] | str | None = None, stream: bool = False, chat: bool | None = None):
+                 stop: list[str] | str | None = None, stream: bool = False, chat: bool | None = None,
+                 lenience: float = 1.0):
         """Generate a continuation whose distribution is exactly the target's (paper §2.3).
 
         Args:
@@ -278,19 +279,24 @@ class SpeculativeDecoder:
             stop: a string or list of strings that end the output (excluded from the text).
             stream: return a GenerationStream of TokenEvents instead of the result.
             chat: apply the chat template (None: for string prompts when the target has one).
+            lenience: l in (0, 1]; 1 (default) is exact. l < 1 is LOSSY (paper A.5): it changes
+                the output distribution (no token gets more than p(x)/l; greedy keeps a draft
+                token with p(x) >= l·max p) and marks result.stats.lossy.
         Returns:
             GenerationResult (.text, .token_ids, .finish_reason, .stats, .origins), a list of
             them for a batch, or a GenerationStream.
         Raises:
-            ValueError: bad prompt, max_new_tokens < 1, empty stop string.
+            ValueError: bad prompt, max_new_tokens < 1, empty stop string, lenience outside (0, 1].
         """
+        if isinstance(lenience, bool) or not isinstance(lenience, (int, float)) or not 0 < lenience <= 1:
+            raise ValueError(f"lenience must be a number in (0, 1] (1 = exact; below 1 is lossy), got {lenience!r}")
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple)):
             if stream:
                 raise ValueError("stream=True takes one prompt, not a list")
             # Encode (and so validate) every prompt before generating any; the ids go in verbatim.
             encoded = [self.encode(p, chat) for p in prompt]
-            return [self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
-                    for ids in encoded]
+            return [self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                                  lenience=lenience) for ids in encoded]
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -298,7 +304,7 @@ class SpeculativeDecoder:
             raise ValueError("stop strings must be non-empty")
         config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling or SamplingParams(),
                               num_speculative_tokens=self.num_speculative_tokens,
-                              eos_token_ids=self.eos_token_ids, stop=stops)
+                              eos_token_ids=self.eos_token_ids, stop=stops, lenience=float(lenience))
         ids = self.encode(prompt, chat)
         events = decode(self.target.backend, self._proposer(), ids, config, self.tokenizer)
         stream_ = GenerationStream(events, self)
