@@ -13,7 +13,7 @@ import torch
 
 from specdecode import zoo
 from specdecode.decoding import DecodeConfig, GenerationResult, TokenEvent, decode
-from specdecode.models import HFCausalLM
+from specdecode.models import HFCausalLM, Seq2SeqLM
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 
@@ -72,12 +72,13 @@ def check_model_spec(spec) -> None:
 
 
 def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None = None):
-    """A zoo name, a local directory or a hub id → (model, tokenizer, name).
+    """A zoo name, a local directory or a hub id → (model, tokenizer, name). A config with
+    is_encoder_decoder (T5, BART, ...) loads through AutoModelForSeq2SeqLM, others as causal LMs.
 
     Raises:
         ValueError: the model cannot be found or loaded here (the message says what to do).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     check_model_spec(spec)
     if spec in zoo.ZOO:
@@ -86,7 +87,9 @@ def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None 
     if progress:
         progress(f"loading {spec}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+        seq2seq = getattr(AutoConfig.from_pretrained(spec), "is_encoder_decoder", False)
+        auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+        model = auto.from_pretrained(spec, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(spec)
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot load model {spec!r}: {type(err).__name__}: {str(err).splitlines()[0]}") from None
@@ -105,7 +108,7 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_name: str, dr
 
 @dataclass(frozen=True)
 class _Loaded:
-    backend: HFCausalLM
+    backend: HFCausalLM | Seq2SeqLM
     tokenizer: object
     name: str
 
@@ -151,6 +154,9 @@ class SpeculativeDecoder:
         draft: "default", a zoo name, path, hub id, PreTrainedModel, or None for plain decoding.
             It must use the target's tokenizer (checked for drafts loaded by name or path; a
             draft given as a loaded model is taken to share the target's tokenizer).
+            An encoder–decoder target (config.is_encoder_decoder: T5, flan-t5, BART; paper
+            §4.1) needs an encoder–decoder draft: the prompt is the encoder's input and both
+            decoders start from decoder_start_token_id (specdecode.models.Seq2SeqLM).
         tokenizer: the tokenizer for a target given as a loaded model.
         num_speculative_tokens: γ, the most drafts per target call (>= 1; default 8).
         draft_confidence: stop drafting early once the draft's probability of its own token is
@@ -165,7 +171,8 @@ class SpeculativeDecoder:
         dtype: "bfloat16" (default), "float32" or "float16" for models loaded by name.
         progress: called with one-line messages while models are assembled and loaded.
     Raises:
-        ValueError: unknown model, tokenizers that differ, γ < 1, unknown dtype.
+        ValueError: unknown model, tokenizers that differ, an encoder–decoder model paired with a
+            decoder-only one, draft_vocab_limit on an encoder–decoder draft, γ < 1, unknown dtype.
         FileNotFoundError: the default pair's part packages are not installed.
     """
 
@@ -195,10 +202,23 @@ class SpeculativeDecoder:
                 check_model_spec(spec)
         self.target = self._load(target, tokenizer, progress)
         self.tokenizer = self.target.tokenizer
+        self.is_encoder_decoder = isinstance(self.target.backend, Seq2SeqLM)
         self.draft = None
         if draft is not None:
             self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
+            if self.is_encoder_decoder != isinstance(self.draft.backend, Seq2SeqLM):
+                kinds = {True: "an encoder-decoder", False: "a decoder-only"}
+                raise ValueError(
+                    f"target {self.target.name!r} is {kinds[self.is_encoder_decoder]} model but draft "
+                    f"{self.draft.name!r} is {kinds[not self.is_encoder_decoder]} one; pick a draft of the "
+                    "same kind (e.g. flan-t5-small for a flan-t5 target)")
+            if self.is_encoder_decoder and \
+                    self.draft.backend.decoder_start_token_id != self.target.backend.decoder_start_token_id:
+                raise ValueError(
+                    f"draft {self.draft.name!r} starts its decoder from token "
+                    f"{self.draft.backend.decoder_start_token_id}, target {self.target.name!r} from "
+                    f"{self.target.backend.decoder_start_token_id}; they must agree")
         self.eos_token_ids = self._eos_ids(self.target.backend.model, self.tokenizer)
         self._owner: GenerationStream | None = None
 
@@ -206,9 +226,18 @@ class SpeculativeDecoder:
         if isinstance(spec, torch.nn.Module):
             if tokenizer is None:
                 raise ValueError("a target given as a loaded model needs tokenizer=")
-            return _Loaded(HFCausalLM(spec, vocab_limit), tokenizer, type(spec).__name__)
+            return _Loaded(self._backend(spec, vocab_limit), tokenizer, type(spec).__name__)
         model, tok, name = load_model(spec, self.dtype, progress)
-        return _Loaded(HFCausalLM(model, vocab_limit), tok, name)
+        return _Loaded(self._backend(model, vocab_limit), tok, name)
+
+    @staticmethod
+    def _backend(model, vocab_limit):
+        if not getattr(model.config, "is_encoder_decoder", False):
+            return HFCausalLM(model, vocab_limit)
+        if vocab_limit is not None:
+            raise ValueError("draft_vocab_limit is supported for decoder-only drafts only; pass "
+                             "draft_vocab_limit=None with an encoder-decoder draft")
+        return Seq2SeqLM(model)
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> frozenset[int]:
@@ -228,12 +257,19 @@ class SpeculativeDecoder:
         return proposer
 
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
-        """A string (chat template applied per `chat`) or token ids → validated token ids.
+        """A string (chat template applied per `chat`) or token ids → validated token ids. For an
+        encoder–decoder target these are the encoder's input: a string is tokenized with the
+        tokenizer's special tokens (T5's closing </s>) and never gets a chat template.
 
         Raises:
-            ValueError: empty prompt, ids outside the vocabulary, chat=True without a template.
+            ValueError: empty prompt, ids outside the vocabulary, chat=True without a template
+                (or with an encoder-decoder target).
         """
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and self.is_encoder_decoder:
+            if chat:
+                raise ValueError("chat=True: an encoder-decoder target takes its prompt as plain encoder input")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty; give at least one character or token id")
             has_template = bool(getattr(self.tokenizer, "chat_template", None))
@@ -306,6 +342,12 @@ class SpeculativeDecoder:
                               num_speculative_tokens=self.num_speculative_tokens,
                               eos_token_ids=self.eos_token_ids, stop=stops, lenience=float(lenience))
         ids = self.encode(prompt, chat)
+        if self.is_encoder_decoder:
+            # Both encoders see the prompt once; Algorithm 1 then runs on the decoder tokens.
+            for loaded in (self.target, self.draft):
+                if loaded is not None:
+                    loaded.backend.set_input(ids)
+            ids = [self.target.backend.decoder_start_token_id]
         events = decode(self.target.backend, self._proposer(), ids, config, self.tokenizer)
         stream_ = GenerationStream(events, self)
         self._owner = stream_
