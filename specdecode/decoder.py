@@ -204,6 +204,11 @@ class SpeculativeDecoder:
         self.tokenizer = self.target.tokenizer
         self.is_encoder_decoder = isinstance(self.target.backend, Seq2SeqLM)
         self.draft = None
+        if self.is_encoder_decoder and isinstance(draft, str) and draft in zoo.ZOO:
+            # the zoo holds decoder-only models only: fail before loading one (and "default" is one)
+            raise ValueError(f"target {self.target.name!r} is an encoder-decoder model; the zoo draft "
+                             f"{draft!r} is decoder-only. Pass an encoder-decoder draft (e.g. "
+                             "google/flan-t5-small for a flan-t5 target) or draft=None")
         if draft is not None:
             self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)

@@ -331,6 +331,8 @@ def test_encoder_decoder_and_decoder_only_models_do_not_mix(seq2seq_dirs):
         SpeculativeDecoder(seq2seq_dirs["target"], llama, tokenizer=tokenizer, dtype="float32")
     with pytest.raises(ValueError, match="decoder-only model but draft"):
         SpeculativeDecoder(llama, seq2seq_dirs["draft"], tokenizer=tokenizer, dtype="float32")
+    with pytest.raises(ValueError, match="zoo draft"):  # refused before the zoo model is loaded
+        SpeculativeDecoder(seq2seq_dirs["target"], dtype="float32")
     with pytest.raises(ValueError, match="draft_vocab_limit"):
         SpeculativeDecoder(seq2seq_dirs["target"], seq2seq_dirs["draft"], draft_vocab_limit=8, dtype="float32")
     decoder = SpeculativeDecoder(seq2seq_dirs["target"], None, dtype="float32")
