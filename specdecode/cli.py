@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off (default)")
     gen.add_argument("--min-p", type=float, default=0.0,
                      help="drop tokens below min-p × the top token's probability; 0 = off (default)")
+    gen.add_argument("--lenience", type=float, default=1.0, metavar="L",
+                     help="LOSSY unless 1: accept drafts more leniently (paper A.5); any L < 1 changes the "
+                          "output distribution (no token above p/L; greedy keeps drafts with p >= L·max p) "
+                          "and marks the stats lossy. In (0, 1] (default: 1, exact)")
     gen.add_argument("--seed", type=int, default=None, help="random seed; the same seed gives the same output")
     gen.add_argument("--max-new-tokens", type=int, default=256, help="most new tokens to generate (default: 256)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
@@ -224,6 +228,8 @@ def _generate(args, parser) -> int:
     except ValueError as err:
         parser.error(str(err))
     _check_model_flags(args, parser)
+    if not 0 < args.lenience <= 1:
+        parser.error(f"--lenience must be in (0, 1] (1 = exact), got {args.lenience}")
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if any(not s for s in args.stop):
@@ -244,10 +250,12 @@ def _generate(args, parser) -> int:
         decoder = _decoder(args, progress)
         if isinstance(prompt, list):
             results = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                       stop=args.stop, chat=False if args.raw else None, batch_size=args.batch_size)
+                                       stop=args.stop, chat=False if args.raw else None, batch_size=args.batch_size,
+                                       lenience=args.lenience)
         else:
             stream = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                      stop=args.stop, stream=True, chat=False if args.raw else None)
+                                      stop=args.stop, stream=True, chat=False if args.raw else None,
+                                      lenience=args.lenience)
             for event in stream:
                 if args.json:
                     continue

@@ -15,7 +15,7 @@ import torch
 from specdecode import zoo
 from specdecode.batch import decode_batch
 from specdecode.decoding import DecodeConfig, GenerationResult, TokenEvent, decode
-from specdecode.models import HFBatchedCausalLM, HFCausalLM
+from specdecode.models import HFBatchedCausalLM, HFCausalLM, Seq2SeqLM
 from specdecode.models.hf_batch import supports_batching
 from specdecode.models.quant import quantize_int8
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
@@ -77,12 +77,13 @@ def check_model_spec(spec) -> None:
 
 
 def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None = None):
-    """A zoo name, a local directory or a hub id → (model, tokenizer, name).
+    """A zoo name, a local directory or a hub id → (model, tokenizer, name). A config with
+    is_encoder_decoder (T5, BART, ...) loads through AutoModelForSeq2SeqLM, others as causal LMs.
 
     Raises:
         ValueError: the model cannot be found or loaded here (the message says what to do).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     check_model_spec(spec)
     if spec in zoo.ZOO:
@@ -91,7 +92,9 @@ def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None 
     if progress:
         progress(f"loading {spec}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+        seq2seq = getattr(AutoConfig.from_pretrained(spec), "is_encoder_decoder", False)
+        auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+        model = auto.from_pretrained(spec, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(spec)
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot load model {spec!r}: {type(err).__name__}: {str(err).splitlines()[0]}") from None
@@ -110,7 +113,7 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_name: str, dr
 
 @dataclass(frozen=True)
 class _Loaded:
-    backend: HFCausalLM
+    backend: HFCausalLM | Seq2SeqLM
     tokenizer: object
     name: str
 
@@ -156,6 +159,9 @@ class SpeculativeDecoder:
         draft: "default", a zoo name, path, hub id, PreTrainedModel, or None for plain decoding.
             It must use the target's tokenizer (checked for drafts loaded by name or path; a
             draft given as a loaded model is taken to share the target's tokenizer).
+            An encoder–decoder target (config.is_encoder_decoder: T5, flan-t5, BART; paper
+            §4.1) needs an encoder–decoder draft: the prompt is the encoder's input and both
+            decoders start from decoder_start_token_id (specdecode.models.Seq2SeqLM).
         tokenizer: the tokenizer for a target given as a loaded model.
         num_speculative_tokens: γ, the most drafts per target call (>= 1; default 8).
         draft_confidence: stop drafting early once the draft's probability of its own token is
@@ -170,7 +176,8 @@ class SpeculativeDecoder:
         quantize_draft: store the draft's linear layers as int8 (weight-only, per-row scales): a
             cheaper draft step, still exact since only the proposal changes (paper §3.6).
             None (default): on for a draft loaded by name or path, off for a draft given as a
-            loaded model (True quantizes a copy of it; the user's object is never changed).
+            loaded model (True quantizes a copy of it; the user's object is never changed), and
+            off for encoder–decoder drafts (their layers read .weight directly; True raises).
         guard: pause drafting while the request's acceptances say it does not pay (Cor. 3.9's
             α > c checked at run time, specdecode.guard), probing again every 16 steps. Exact
             either way. Seeded sampled requests are not guarded, so that a seed gives the same
@@ -181,7 +188,8 @@ class SpeculativeDecoder:
         dtype: "bfloat16" (default), "float32" or "float16" for models loaded by name.
         progress: called with one-line messages while models are assembled and loaded.
     Raises:
-        ValueError: unknown model, tokenizers that differ, γ < 1, unknown dtype.
+        ValueError: unknown model, tokenizers that differ, an encoder–decoder model paired with a
+            decoder-only one, draft_vocab_limit on an encoder–decoder draft, γ < 1, unknown dtype.
         FileNotFoundError: the default pair's part packages are not installed.
     """
 
@@ -214,12 +222,28 @@ class SpeculativeDecoder:
                 check_model_spec(spec)
         self.target = self._load(target, tokenizer, progress)
         self.tokenizer = self.target.tokenizer
+        self.is_encoder_decoder = isinstance(self.target.backend, Seq2SeqLM)
         self.draft = None
+        if self.is_encoder_decoder and isinstance(draft, str) and draft in zoo.ZOO:
+            # the zoo holds decoder-only models only: fail before loading one (and "default" is one)
+            raise ValueError(f"target {self.target.name!r} is an encoder-decoder model; the zoo draft "
+                             f"{draft!r} is decoder-only. Pass an encoder-decoder draft (e.g. "
+                             "google/flan-t5-small for a flan-t5 target) or draft=None")
         if draft is not None:
-            if quantize_draft is None:
-                quantize_draft = not isinstance(draft, torch.nn.Module)
             self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, quantize_draft)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
+            if self.is_encoder_decoder != isinstance(self.draft.backend, Seq2SeqLM):
+                kinds = {True: "an encoder-decoder", False: "a decoder-only"}
+                raise ValueError(
+                    f"target {self.target.name!r} is {kinds[self.is_encoder_decoder]} model but draft "
+                    f"{self.draft.name!r} is {kinds[not self.is_encoder_decoder]} one; pick a draft of the "
+                    "same kind (e.g. flan-t5-small for a flan-t5 target)")
+            if self.is_encoder_decoder and \
+                    self.draft.backend.decoder_start_token_id != self.target.backend.decoder_start_token_id:
+                raise ValueError(
+                    f"draft {self.draft.name!r} starts its decoder from token "
+                    f"{self.draft.backend.decoder_start_token_id}, target {self.target.name!r} from "
+                    f"{self.target.backend.decoder_start_token_id}; they must agree")
         self.eos_token_ids = self._eos_ids(self.target.backend.model, self.tokenizer)
         self.guard_costs = None  # None: no guard
         if guard and self.draft is not None:
@@ -230,21 +254,40 @@ class SpeculativeDecoder:
             progress("measuring c (draft step / target step) and the verify cost r(γ+1) for the guard")
         vocab = min(self.target.backend.vocab_size, self.draft.backend.vocab_size)
         context = [i % vocab for i in range(100, 164)]
+        if self.is_encoder_decoder:  # the decoders attend to an encoded input
+            for loaded in (self.target, self.draft):
+                loaded.backend.set_input(context)
         gamma = self.num_speculative_tokens
         costs = measure_costs(self.target.backend, self.draft.backend, context, [gamma + 1], repeats=3)
         return costs["c"], max(costs["r"][gamma + 1] - 1, 0.0) / gamma
         self._owner: GenerationStream | None = None
 
-    def _load(self, spec, tokenizer, progress, vocab_limit=None, quantize=False) -> _Loaded:
+    def _load(self, spec, tokenizer, progress, vocab_limit=None, quantize: bool | None = False) -> _Loaded:
+        """quantize: True, False, or None for the default (int8 for causal models loaded here)."""
         if isinstance(spec, torch.nn.Module):
             if tokenizer is None:
                 raise ValueError("a target given as a loaded model needs tokenizer=")
-            model, tok, name = (copy.deepcopy(spec) if quantize else spec), tokenizer, type(spec).__name__
+            seq2seq = getattr(spec.config, "is_encoder_decoder", False)
+            model, tok, name = (copy.deepcopy(spec) if quantize and not seq2seq else spec), tokenizer, type(spec).__name__
         else:
             model, tok, name = load_model(spec, self.dtype, progress)
+            seq2seq = getattr(model.config, "is_encoder_decoder", False)
+        if quantize is True and seq2seq:
+            raise ValueError("quantize_draft=True supports decoder-only drafts only")
+        if quantize is None:  # the default: models we loaded ourselves, decoder-only
+            quantize = not isinstance(spec, torch.nn.Module) and not seq2seq
         if quantize:
             quantize_int8(model)
-        return _Loaded(HFCausalLM(model, vocab_limit), tok, name)
+        return _Loaded(self._backend(model, vocab_limit), tok, name)
+
+    @staticmethod
+    def _backend(model, vocab_limit):
+        if not getattr(model.config, "is_encoder_decoder", False):
+            return HFCausalLM(model, vocab_limit)
+        if vocab_limit is not None:
+            raise ValueError("draft_vocab_limit is supported for decoder-only drafts only; pass "
+                             "draft_vocab_limit=None with an encoder-decoder draft")
+        return Seq2SeqLM(model)
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> frozenset[int]:
@@ -263,7 +306,7 @@ class SpeculativeDecoder:
             proposer = PromptLookupProposer(self.target.backend.vocab_size, fallback=proposer)
         return proposer
 
-    def _config(self, max_new_tokens, sampling, stop) -> DecodeConfig:
+    def _config(self, max_new_tokens, sampling, stop, lenience: float = 1.0) -> DecodeConfig:
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -276,11 +319,11 @@ class SpeculativeDecoder:
         guarded = sampling.greedy or sampling.seed is None
         return DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling,
                             num_speculative_tokens=self.num_speculative_tokens, eos_token_ids=self.eos_token_ids,
-                            stop=stops, costs=self.guard_costs if guarded else None)
+                            stop=stops, lenience=lenience, costs=self.guard_costs if guarded else None)
 
     def _can_batch(self) -> bool:
         """Lookup-only decoding has no batched form; sliding-window models have no batched backend."""
-        if self.draft is None and self.prompt_lookup:
+        if (self.draft is None and self.prompt_lookup) or self.is_encoder_decoder:
             return False
         loaded = [self.target] + ([self.draft] if self.draft is not None else [])
         return all(supports_batching(m.backend.model) for m in loaded)
@@ -300,12 +343,19 @@ class SpeculativeDecoder:
         return results
 
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
-        """A string (chat template applied per `chat`) or token ids → validated token ids.
+        """A string (chat template applied per `chat`) or token ids → validated token ids. For an
+        encoder–decoder target these are the encoder's input: a string is tokenized with the
+        tokenizer's special tokens (T5's closing </s>) and never gets a chat template.
 
         Raises:
-            ValueError: empty prompt, ids outside the vocabulary, chat=True without a template.
+            ValueError: empty prompt, ids outside the vocabulary, chat=True without a template
+                (or with an encoder-decoder target).
         """
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and self.is_encoder_decoder:
+            if chat:
+                raise ValueError("chat=True: an encoder-decoder target takes its prompt as plain encoder input")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty; give at least one character or token id")
             has_template = bool(getattr(self.tokenizer, "chat_template", None))
@@ -340,7 +390,7 @@ class SpeculativeDecoder:
 
     def generate(self, prompt, *, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
                  stop: list[str] | str | None = None, stream: bool = False, chat: bool | None = None,
-                 batch_size: int | None = None):
+                 batch_size: int | None = None, lenience: float = 1.0):
         """Generate a continuation whose distribution is exactly the target's (paper §2.3).
 
         Args:
@@ -356,16 +406,22 @@ class SpeculativeDecoder:
             batch_size: for a list of prompts, how many decode together: None = all, 1 = one
                 after another. The batch path drafts with the draft model at fixed γ (with
                 draft_confidence's dynamic γ) and skips prompt lookup; lookup-only decoding
-                (draft=None, prompt_lookup=True) and sliding-window models always go one at a time.
+                (draft=None, prompt_lookup=True), encoder–decoder and sliding-window models and
+                lenience < 1 always go one at a time.
+            lenience: l in (0, 1]; 1 (default) is exact. l < 1 is LOSSY (paper A.5): it changes
+                the output distribution (no token gets more than p(x)/l; greedy keeps a draft
+                token with p(x) >= l·max p) and marks result.stats.lossy.
         Returns:
             GenerationResult (.text, .token_ids, .finish_reason, .stats, .origins), a list of
             them for a batch, or a GenerationStream.
         Raises:
             ValueError: bad prompt (any prompt of a batch, before anything is generated),
                 max_new_tokens < 1, empty stop string, batch_size not None or >= 1, stream=True
-                with a list.
+                with a list, lenience outside (0, 1].
         """
-        config = self._config(max_new_tokens, sampling, stop)
+        if isinstance(lenience, bool) or not isinstance(lenience, (int, float)) or not 0 < lenience <= 1:
+            raise ValueError(f"lenience must be a number in (0, 1] (1 = exact; below 1 is lossy), got {lenience!r}")
+        config = self._config(max_new_tokens, sampling, stop, float(lenience))
         if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
                                        or batch_size < 1):
             raise ValueError(f"batch_size must be None (all at once) or an integer >= 1, got {batch_size!r}")
@@ -374,11 +430,17 @@ class SpeculativeDecoder:
                 raise ValueError("stream=True takes one prompt, not a list")
             # Encode (and so validate) every prompt before generating any; the ids go in verbatim.
             encoded = [self.encode(p, chat) for p in prompt]
-            if batch_size == 1 or not self._can_batch():
-                return [self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
-                        for ids in encoded]
+            if batch_size == 1 or lenience < 1 or not self._can_batch():
+                return [self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                                      lenience=lenience) for ids in encoded]
             return self._generate_batch(encoded, config, batch_size or len(encoded))
         ids = self.encode(prompt, chat)
+        if self.is_encoder_decoder:
+            # Both encoders see the prompt once; Algorithm 1 then runs on the decoder tokens.
+            for loaded in (self.target, self.draft):
+                if loaded is not None:
+                    loaded.backend.set_input(ids)
+            ids = [self.target.backend.decoder_start_token_id]
         events = decode(self.target.backend, self._proposer(), ids, config, self.tokenizer)
         stream_ = GenerationStream(events, self)
         self._owner = stream_

@@ -17,7 +17,7 @@ import torch
 from specdecode.guard import SpeculationGuard
 from specdecode.sampling import SamplingParams, adjust, make_generator, sample
 from specdecode.text import IncrementalDetokenizer, StopStrings
-from specdecode.verify import speculative_step
+from specdecode.verify import greedy_lenient_step, speculative_step
 
 # Where each emitted token came from (the colours of the paper's Figure 1).
 ACCEPTED, CORRECTED, BONUS, TARGET = "accepted", "corrected", "bonus", "target"
@@ -116,7 +116,7 @@ class DecodeConfig:
     num_speculative_tokens: int = 0
     eos_token_ids: frozenset[int] = frozenset()
     stop: tuple[str, ...] = ()
-    lenience: float = 1.0
+    lenience: float = 1.0  # 1 is exact; l < 1 is the lossy rule of paper A.5 (stats.lossy)
     # (c, verify slope) in target calls: pause drafting while it does not pay
     # (specdecode.guard, Cor. 3.9); None speculates on every step.
     costs: tuple[float, float] | None = None
@@ -219,11 +219,16 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
         # rejects it anyway, and the positions after it are discarded.
         t0 = time.perf_counter()
         fed = torch.where(drafts < target.vocab_size, drafts, 0)
-        p = adjust(target.forward(torch.cat([pending, fed]), k + 1), config.sampling)  # [k+1, V]
+        logits = target.forward(torch.cat([pending, fed]), k + 1)  # [k+1, V]
+        p = adjust(logits, config.sampling)
         stats.time_target_s += time.perf_counter() - t0
         stats.num_target_calls += 1
         # 3 accept
-        if k > 0:
+        if k > 0 and config.sampling.greedy and config.lenience < 1:
+            # lenience must see the target's untempered distribution, not the one-hot (A.5)
+            n, token = greedy_lenient_step(drafts[None], logits[None], config.lenience)
+            n, token = int(n), int(token)
+        elif k > 0:
             n, token = speculative_step(drafts[None], draft.probs[None], p[None], generator, config.lenience)
             n, token = int(n), int(token)
         else:

@@ -11,6 +11,8 @@ Pure functions of tensors: no model, no cache, no global RNG (pass a torch.Gener
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -108,4 +110,48 @@ def speculative_step(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     q_n = q_ext[rows, num_accepted]
     next_probs = residual_distribution(p_n, q_n)
     next_token = torch.multinomial(next_probs, 1, generator=generator).squeeze(-1)
+    return num_accepted, next_token
+
+
+def greedy_lenient_step(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
+                        lenience: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification with lenience, applied before argmax standardisation (paper A.5). LOSSY.
+
+    After argmax every non-argmax token has p = 0, so the sampling rule's lenience can never
+    accept it; A.5 instead tests the untempered target distribution p = softmax(logits). The
+    paper prints "p(x) ≤ l·max(p)", which at l = 1 would accept everything although the paper
+    reports α = 0.75 there: we implement the evident intent p(x) ≥ l·max(p) (paper.md §6.5).
+
+    Args:
+        draft_tokens: [B, k] int64, the draft's greedy tokens.
+        target_logits: [B, k+1, V] float32, the target's raw logits (untempered, unfiltered);
+            row k is used only if all k are kept.
+        lenience: l in (0, 1]. x_i is kept iff it is the target's argmax or, for l < 1,
+            p_i(x_i) ≥ l·max p_i. At l = 1 only the argmax (lowest id on ties, as
+            sampling.adjust) is kept, so the rule is exactly plain greedy verification.
+    Returns:
+        num_accepted: [B] int64 in [0, k], the length of the kept prefix.
+        next_token:   [B] int64, the target's argmax at the first non-kept position (or at
+            position k when all are kept). No randomness.
+    Raises:
+        ValueError: if shapes disagree or lenience is outside (0, 1].
+    """
+    if (draft_tokens.dim() != 2 or target_logits.dim() != 3
+            or target_logits.shape[:2] != (draft_tokens.shape[0], draft_tokens.shape[1] + 1)):
+        raise ValueError(f"expected draft_tokens [B, k] and target_logits [B, k+1, V]; got "
+                         f"{tuple(draft_tokens.shape)}, {tuple(target_logits.shape)}")
+    if not 0 < lenience <= 1:
+        raise ValueError(f"lenience must be in (0, 1], got {lenience}")
+    batch, k = draft_tokens.shape
+    logits = target_logits.float()
+    argmax = logits.argmax(-1)  # [B, k+1]; the first maximum, as sampling.adjust
+    in_vocab = draft_tokens < logits.shape[-1]
+    z_x = logits[:, :k].gather(-1, torch.where(in_vocab, draft_tokens, 0).unsqueeze(-1)).squeeze(-1)
+    # p(x) / max p = exp(z_x − z_max): compared in log space, no softmax underflow.
+    within = (z_x - logits[:, :k].amax(-1)) >= math.log(lenience)
+    # At l = 1 a draft tied with the argmax would pass `within`, where plain greedy keeps only
+    # the lowest id: the guard makes l = 1 plain greedy token for token.
+    accepted = in_vocab & ((draft_tokens == argmax[:, :k]) | (within & (lenience < 1)))
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+    next_token = argmax[torch.arange(batch, device=draft_tokens.device), num_accepted]
     return num_accepted, next_token

@@ -20,6 +20,28 @@ def char_tokenizer():
                                    unk_token="<unk>", bos_token="<bos>")
 
 
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, request):
+    """Saved tiny models: Target and draft (same char tokenizer) and an 'alien' model with another tokenizer."""
+    from test_transformers import tiny_llama
+
+    char_tokenizer = request.getfixturevalue("char_tokenizer")
+    root = tmp_path_factory.mktemp("models")
+    vocab = len(char_tokenizer)
+    dirs = {}
+    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
+        model = tiny_llama(seed, layers=layers, vocab=vocab)
+        model.save_pretrained(root / name)
+        char_tokenizer.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+    alien_tok = char_tokenizer.__class__(tokenizer_object=char_tokenizer.backend_tokenizer, eos_token="<eos>")
+    alien_tok.add_tokens(["zz"])
+    tiny_llama(2, layers=1, vocab=len(alien_tok)).save_pretrained(root / "alien")
+    alien_tok.save_pretrained(root / "alien")
+    dirs["alien"] = str(root / "alien")
+    return dirs
+
+
 def table_pair(vocab_size=6, order=2, target_seed=0, draft_seed=1, **kw):
     return TableModel(vocab_size, order, target_seed, **kw), TableModel(vocab_size, order, draft_seed, **kw)
 

@@ -14,24 +14,6 @@ from specdecode.models.quant import Int8Linear
 from test_transformers import tiny_llama
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory, request):
-    """Target and draft (same char tokenizer) and an 'alien' model with another tokenizer."""
-    char_tokenizer = request.getfixturevalue("char_tokenizer")
-    root = tmp_path_factory.mktemp("models")
-    vocab = len(char_tokenizer)
-    dirs = {}
-    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
-        model = tiny_llama(seed, layers=layers, vocab=vocab)
-        model.save_pretrained(root / name)
-        char_tokenizer.save_pretrained(root / name)
-        dirs[name] = str(root / name)
-    alien_tok = char_tokenizer.__class__(tokenizer_object=char_tokenizer.backend_tokenizer, eos_token="<eos>")
-    alien_tok.add_tokens(["zz"])
-    tiny_llama(2, layers=1, vocab=len(alien_tok)).save_pretrained(root / "alien")
-    alien_tok.save_pretrained(root / "alien")
-    dirs["alien"] = str(root / "alien")
-    return dirs
 
 
 @pytest.fixture

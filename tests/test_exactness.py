@@ -27,9 +27,10 @@ def target_sequence_probs(target, prompt, length, params):
     return probs
 
 
-def speculative_sequence_probs(target, draft, prompt, length, k, params):
+def speculative_sequence_probs(target, draft, prompt, length, k, params, lenience=1.0):
     """Exact distribution of the first `length` tokens emitted by Algorithm 1, enumerating every
-    draft block and every accept/reject outcome, with γ clipped to the tokens still wanted."""
+    draft block and every accept/reject outcome, with γ clipped to the tokens still wanted
+    (lenience < 1: the lossy acceptance min(1, p/(l·q)) of paper A.5, residual unchanged)."""
     out = Counter()
 
     def step(emitted, prob):
@@ -46,7 +47,7 @@ def speculative_sequence_probs(target, draft, prompt, length, k, params):
                 q_block *= float(q[i][drafts[i]])
             if q_block == 0:
                 continue
-            a = [float(acceptance_probs(torch.tensor([[drafts[i]]]), q[i].view(1, 1, -1), p[i].view(1, 1, -1)))
+            a = [float(acceptance_probs(torch.tensor([[drafts[i]]]), q[i].view(1, 1, -1), p[i].view(1, 1, -1), lenience))
                  for i in range(k_step)]
             accept_prefix = 1.0
             for n in range(k_step + 1):

@@ -20,10 +20,14 @@ rows instead:
                                           are the last min(num_logits, len(feeds[b])) entries
     truncate(lengths: list[int]) -> None  row b keeps its first lengths[b] tokens
     select(rows: list[int]) -> None       keeps only these rows, in this order
+
+Seq2SeqLM (encoder–decoder) adds set_input(input_ids): the encoder's input for the request; the
+interface above then applies to its decoder tokens.
 """
 
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.hf_batch import HFBatchedCausalLM
+from specdecode.models.seq2seq import Seq2SeqLM
 from specdecode.models.table import BatchedTableModel, TableModel
 
-__all__ = ["HFCausalLM", "HFBatchedCausalLM", "TableModel", "BatchedTableModel"]
+__all__ = ["HFCausalLM", "HFBatchedCausalLM", "Seq2SeqLM", "TableModel", "BatchedTableModel"]

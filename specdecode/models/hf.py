@@ -15,7 +15,7 @@ def limited_head(model, vocab_limit: int | None):
         ValueError: vocab_limit on a model whose LM head is not a plain linear layer.
     """
     head = model.get_output_embeddings()
-    vocab_size = head.out_features if isinstance(head, Int8Linear) else head.weight.shape[0]
+    vocab_size = head.out_features  # nn.Linear and Int8Linear alike
     if vocab_limit is None or vocab_limit >= vocab_size:
         return None, vocab_size
     scaled = any(getattr(model.config, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
