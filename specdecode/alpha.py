@@ -72,6 +72,7 @@ class PromptRecord:
     stats: object
     betas: dict[str, torch.Tensor] = field(default_factory=dict)  # draft → [n] β per token
     lookup_matches: int = 0  # positions where prompt lookup had a proposal
+    p_raw: torch.Tensor | None = None  # [n, V] untempered target softmax, for greedy lenience
 
 
 def lookup_q(sequence: list[int], start: int, vocab_size: int, max_ngram: int = 3, min_ngram: int = 2
@@ -100,11 +101,22 @@ def ngram_q(model: NGramModel, sequence: list[int], start: int, sampling: Sampli
     return adjust(torch.stack([model.probs(sequence[i - 1]) for i in range(start, len(sequence))]).log(), sampling)
 
 
+def lenient_beta(p: torch.Tensor, q: torch.Tensor, p_raw: torch.Tensor, lenience: float, greedy: bool) -> torch.Tensor:
+    """β under lenience l (paper A.5, LOSSY): Σ min(p/l, q) when sampling; when greedy, 1 where
+    the draft's token x has untempered target probability p_raw(x) >= l·max p_raw (the corrected
+    inequality, paper.md §6.5), else 0. Shapes [n, V] → [n]."""
+    if not greedy:
+        return torch.minimum(p / lenience, q).sum(-1)
+    x = q.argmax(-1, keepdim=True)
+    return (p_raw.gather(-1, x).squeeze(-1) >= lenience * p_raw.amax(-1)).float()
+
+
 def measure_task(target, draft, encoded: list[list[int]], sampling: SamplingParams, *, gamma: int,
-                 max_new_tokens: int, eos_token_ids: frozenset[int], seed: int = 0,
+                 max_new_tokens: int, eos_token_ids: frozenset[int], seed: int = 0, lenience: tuple = (),
                  progress: Callable[[str], None] | None = None) -> list[PromptRecord]:
     """Generate each prompt with speculative decoding (draft model, fixed γ) and compute β per
-    new token for every draft in DRAFTS.
+    new token for every draft in DRAFTS (and, for each l in lenience, the draft model's lossy
+    β under lenience l: paper Table 5).
 
     Args:
         target, draft: backends (specdecode.models); the draft may be None (then its row is skipped).
@@ -123,8 +135,9 @@ def measure_task(target, draft, encoded: list[list[int]], sampling: SamplingPara
                               eos_token_ids=eos_token_ids)
         result = run(recorder, DraftModelProposer(draft) if draft is not None else None, ids, config)
         positions = range(len(ids), len(ids) + len(result.token_ids))
-        p = adjust(torch.stack([recorder.logits[j] for j in positions]), sampling)
-        records.append(PromptRecord(ids, result.token_ids, p, result.stats))
+        logits = torch.stack([recorder.logits[j] for j in positions])
+        records.append(PromptRecord(ids, result.token_ids, adjust(logits, sampling), result.stats,
+                                    p_raw=torch.softmax(logits, -1) if lenience else None))
         recorder.reset()
         if progress:
             progress(f"prompt {i + 1}/{len(encoded)}: {len(result.token_ids)} tokens, "
@@ -141,8 +154,12 @@ def measure_task(target, draft, encoded: list[list[int]], sampling: SamplingPara
               "uniform": adjust(torch.zeros(len(seq) - start, vocab), sampling)}
         if draft is not None:
             qs["draft model"] = draft_model_q(draft, seq, start, sampling)
-        rec.betas = {name: acceptance_rate(rec.p, match_vocab(q, vocab)) for name, q in qs.items()}
-        rec.p = None  # [n, V] per prompt adds up; only β is needed from here on
+        rec.betas = {name: acceptance_rate(rec.p, match_vocab(q, vocab)) for name in DRAFTS
+                     if (q := qs.get(name)) is not None}
+        for value in lenience if draft is not None else ():
+            rec.betas[f"draft model, l={value:g} (lossy)"] = lenient_beta(
+                rec.p, match_vocab(qs["draft model"], vocab), rec.p_raw, value, sampling.greedy)
+        rec.p = rec.p_raw = None  # [n, V] per prompt adds up; only β is needed from here on
     return records
 
 
@@ -164,7 +181,7 @@ def bootstrap_ratio(numerators: np.ndarray, denominators: np.ndarray, resamples:
 def summarize(records: list[PromptRecord], gamma: int) -> dict:
     """α per draft (paper's way) and the run's empirical α, with intervals and Eq. 1 checks."""
     out = {"tokens": int(sum(len(r.output_ids) for r in records)), "prompts": len(records), "paper": {}}
-    for name in DRAFTS:
+    for name in records[0].betas if records else ():
         if all(name in r.betas for r in records):
             sums = [float(r.betas[name].sum()) for r in records]
             counts = [len(r.output_ids) for r in records]
@@ -192,7 +209,8 @@ def summarize(records: list[PromptRecord], gamma: int) -> dict:
 
 
 def alpha_report(decoder, tasks: list[str], prompts_per_task: int, temperatures: list[float], *, gamma: int,
-                 max_new_tokens: int, out: str, seed: int = 0, progress: Callable[[str], None] | None = None) -> dict:
+                 max_new_tokens: int, out: str, seed: int = 0, lenience: tuple = (),
+                 progress: Callable[[str], None] | None = None) -> dict:
     """Measure α for every task × temperature and write OUT.{json,md} and OUT_alpha.png.
 
     Args:
@@ -214,12 +232,12 @@ def alpha_report(decoder, tasks: list[str], prompts_per_task: int, temperatures:
             records = measure_task(decoder.target.backend, decoder.draft.backend if decoder.draft else None,
                                    encoded, SamplingParams(temperature=temperature), gamma=gamma,
                                    max_new_tokens=max_new_tokens, eos_token_ids=decoder.eos_token_ids,
-                                   seed=seed, progress=progress)
+                                   seed=seed, lenience=lenience, progress=progress)
             results.append({"task": task, "temperature": temperature, **summarize(records, gamma)})
 
     meta = environment(target=decoder.target.name, draft=decoder.draft.name if decoder.draft else None,
                        gamma=gamma, max_new_tokens=max_new_tokens, prompts_per_task=prompts_per_task)
-    drafts = [d for d in DRAFTS if any(d in r["paper"] for r in results)]
+    drafts = list(dict.fromkeys(d for r in results for d in r["paper"]))
     paper_rows = [[r["task"], f"{r['temperature']:g}", r["tokens"]]
                   + [f"{fmt(r['paper'][d]['alpha'])} [{fmt(r['paper'][d]['ci95'][0])}, {fmt(r['paper'][d]['ci95'][1])}]"
                      for d in drafts]

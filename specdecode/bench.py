@@ -18,6 +18,7 @@ the prediction corrected by r: E(α, γ) / (γc + r(γ+1)) (paper Table 4's comp
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from typing import Callable
@@ -25,12 +26,15 @@ from typing import Callable
 import torch
 
 from specdecode.analysis import expected_tokens, optimal_gamma, walltime_improvement
+from specdecode.batch_bench import batch_throughput
 from specdecode.decoding import DecodeConfig, run
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 from specdecode.timing import measure_costs
 
 BASELINE = "transformers generate, target alone"
+LENIENCE_GAMMA = 4
+BATCH_GAMMA = 4
 
 
 def _hf_runner(model, new_tokens: int, sampling: SamplingParams, pad_id: int, assistant=None,
@@ -53,21 +57,22 @@ def _hf_runner(model, new_tokens: int, sampling: SamplingParams, pad_id: int, as
 
 
 def _our_runner(target, make_proposer: Callable, gamma: int, new_tokens: int, sampling: SamplingParams,
-                guard_costs: tuple[float, float] | None = None):
+                guard_costs: tuple[float, float] | None = None, lenience: float = 1.0):
     def go(ids: list[int], seed: int):
         params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                 min_p=sampling.min_p, seed=seed)
         result = run(target, make_proposer(), ids, DecodeConfig(max_new_tokens=new_tokens, sampling=params,
                                                                  num_speculative_tokens=gamma,
-                                                                 costs=guard_costs))
+                                                                 costs=guard_costs, lenience=lenience))
         return result.token_ids, result.stats
     return go
 
 
 def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: list[int],
-                  hf_schedules: list[str], hf_draft=None) -> dict[str, Callable]:
+                  hf_schedules: list[str], hf_draft=None, lenience: list[float] = ()) -> dict[str, Callable]:
     """name → go(ids, seed) -> (token ids, GenerationStats or None). hf_draft: a transformers
-    draft model for assisted generation (default: the decoder's own draft model object)."""
+    draft model for assisted generation (default: the decoder's own draft model object).
+    lenience: values l < 1 add LOSSY runs (paper A.5) at γ = LENIENCE_GAMMA."""
     target = decoder.target.backend
     pad = decoder.tokenizer.pad_token_id if decoder.tokenizer.pad_token_id is not None else decoder.tokenizer.eos_token_id
     configs = {BASELINE: _hf_runner(target.model, new_tokens, sampling, pad),
@@ -76,6 +81,9 @@ def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: li
     if draft is not None:
         for g in gammas:
             configs[f"specdecode γ={g}"] = _our_runner(target, lambda: DraftModelProposer(draft), g, new_tokens, sampling)
+        for value in lenience:
+            configs[f"specdecode γ={LENIENCE_GAMMA}, lenience {value:g} (lossy)"] = _our_runner(
+                target, lambda: DraftModelProposer(draft), LENIENCE_GAMMA, new_tokens, sampling, lenience=value)
     configs["specdecode as configured"] = _our_runner(target, decoder._proposer, decoder.num_speculative_tokens,
                                                       new_tokens, sampling, decoder.guard_costs)
     configs["prompt lookup alone"] = _our_runner(
@@ -157,8 +165,9 @@ def summarize(timings: dict, costs: dict, tasks: list[str]) -> list[dict]:
             row["accepted_over_drafted"] = sum(s.num_accepted for s in st) / sum(s.num_drafted for s in st)
             row["tokens_per_call"] = sum(s.num_generated for s in st) / sum(s.num_target_calls for s in st)
             row["draft_share_of_time"] = sum(s.time_draft_s for s in st) / sum(s.wall_time_s for s in st)
-        if name.startswith("specdecode γ=") and "alpha_hat" in row and "c" in costs:
-            gamma = int(name.split("=")[1])
+        sweep = re.fullmatch(r"specdecode γ=(\d+)", name)
+        if sweep and "alpha_hat" in row and "c" in costs:
+            gamma = int(sweep.group(1))
             alpha, c, r = min(row["alpha_hat"], 0.999999), costs["c"], costs["r"].get(gamma + 1)
             row["gamma"] = gamma
             row["eq1_tokens_per_call"] = expected_tokens(alpha, gamma)
@@ -186,10 +195,17 @@ def theory(rows: list[dict], costs: dict, max_gamma: int) -> dict:
 
 def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens: int, repeats: int,
                  gammas: list[int], sampling: SamplingParams, hf_schedules: list[str], out: str, hf_draft=None,
+                 lenience: list[float] = (), batch_sizes: list[int] = (),
                  progress: Callable[[int, int, str], None] | None = None) -> dict:
-    """Run the benchmark and write OUT.{json,md} and OUT_*.png. Returns {"meta", "costs", "rows", "theory"}."""
+    """Run the benchmark and write OUT.{json,md} and OUT_*.png. Returns {"meta", "costs", "rows",
+    "theory", "batch"}. batch_sizes: also time batched plain and speculative decoding (draft model,
+    γ = BATCH_GAMMA) at these batch sizes (specdecode.batch_bench)."""
     from specdecode.data import load_prompts
-    from specdecode.plots import plot_expected_tokens, plot_optimal_gamma, plot_speedup_vs_gamma
+    from specdecode.plots import (
+        plot_expected_tokens,
+        plot_optimal_gamma,
+        plot_speedup_vs_gamma,
+    )
     from specdecode.report import environment, fmt, markdown_table, write
 
     prompts = [(task, decoder.encode(p.text, chat=None if p.chat else False))
@@ -197,7 +213,7 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
     max_k = max(gammas + [decoder.num_speculative_tokens]) + 1
     draft = decoder.draft.backend if decoder.draft is not None else None
     costs = measure_costs(decoder.target.backend, draft, prompts[0][1], list(range(1, max_k + 1)))
-    configs = build_configs(decoder, new_tokens, sampling, gammas, hf_schedules, hf_draft)
+    configs = build_configs(decoder, new_tokens, sampling, gammas, hf_schedules, hf_draft, lenience)
     timings = run_configs(configs, prompts, repeats, progress)
     rows = summarize(timings, costs, tasks)
     best = theory(rows, costs, max_k)
@@ -237,6 +253,18 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
                    plot_expected_tokens(sweep, stem + "_expected_tokens.png"),
                    plot_optimal_gamma(best["alpha_pooled"], best["c"], stem + "_optimal_gamma.png")]
         body += [""] + [f"![{f.stem}]({f.name})" for f in figures]
-    data = {"costs": costs, "rows": rows, "theory": best}
+    batch = []
+    if batch_sizes and draft is not None:
+        batch = batch_throughput(decoder.target.backend, draft, [ids for _, ids in prompts], list(batch_sizes),
+                                 new_tokens, BATCH_GAMMA, sampling, decoder.draft_confidence)
+        body += ["", f"## Batches (γ ≤ {BATCH_GAMMA}, draft confidence {decoder.draft_confidence:g}, no prompt lookup; "
+                     "one run per setting)", "",
+                 "Total tokens/s over all rows; speedup = plain wall time / speculative wall time at the same "
+                 "batch size. The paper's speedup assumes spare compute (§3.3); a batch spends it.", ""]
+        body += markdown_table(["batch size", "method", "tokens/s", "mean latency per row (s)", "tokens/call",
+                                "speedup"],
+                               [[b["batch_size"], b["method"], fmt(b["tokens_per_second"]), fmt(b["mean_latency_s"]),
+                                 fmt(b["mean_tokens_per_call"]), f"{b['speedup']:.2f}x"] for b in batch])
+    data = {"costs": costs, "rows": rows, "theory": best, "batch": batch}
     write(out, "Speculative decoding benchmark", meta, body, data)
     return {"meta": meta, **data}

@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     alpha.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], metavar="T",
                        help="sampling temperatures; 0 = greedy (default: 0 1)")
     alpha.add_argument("--seed", type=int, default=0, help="seed of prompt i's run is SEED + i (default: 0)")
+    alpha.add_argument("--lenience", type=float, nargs="*", default=[], metavar="L",
+                       help="also report the draft model's LOSSY α under lenience l (paper A.5, Table 5) for each "
+                            "l in (0, 1): Σ min(p/l, q) when sampling, p(x) >= l·max p when greedy")
     alpha.add_argument("--out", default="docs/alpha", help="output path without extension (default: docs/alpha)")
     alpha.add_argument("--quick", action="store_true",
                        help="a smoke run in a few minutes: tasks code and translation, 2 prompts, 24 tokens")
@@ -169,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="draft object given to transformers: 'float' = the draft model as loaded, without "
                             "our int8 weights (the pair as given), 'ours' = the same (possibly int8) object we use "
                             "(default: float)")
+    bench.add_argument("--lenience", type=float, nargs="*", default=[], metavar="L",
+                       help="also run LOSSY lenient verification (paper A.5) at γ = 4 for each l in (0, 1) "
+                            "(e.g. 0.5 0.3 0.1); reported beside the exact runs, never as a speedup of exact decoding")
+    bench.add_argument("--batch-size", type=int, nargs="*", default=[], metavar="N",
+                       help="also time batched plain and speculative decoding (γ = 4) at these batch sizes, e.g. 1 2 4 8")
     bench.add_argument("--out", default="docs/bench", help="output path without extension (default: docs/bench)")
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run in a few minutes: 2 prompts, 24 tokens, 1 repeat, γ 2 and 4")
@@ -298,11 +306,14 @@ def _alpha(args, parser) -> int:
         parser.error("--prompts and --max-new-tokens must be >= 1")
     if any(t < 0 for t in args.temperatures):
         parser.error("--temperatures must be >= 0")
+    if any(not 0 < value < 1 for value in args.lenience):
+        parser.error("--lenience values must be in (0, 1)")
     progress = _progress(args)
     try:
         decoder = _decoder(args, progress)
         alpha_report(decoder, args.tasks, args.prompts, args.temperatures, gamma=args.num_speculative_tokens,
-                     max_new_tokens=args.max_new_tokens, out=args.out, seed=args.seed, progress=progress)
+                     max_new_tokens=args.max_new_tokens, out=args.out, seed=args.seed,
+                     lenience=tuple(args.lenience), progress=progress)
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f"specdecode: error: {err}", file=sys.stderr)
         return 2
@@ -319,6 +330,10 @@ def _bench(args, parser) -> int:
         args.prompts, args.new_tokens, args.repeats, args.gammas = 2, 24, 1, [2, 4]
     if args.prompts < 1 or args.new_tokens < 2 or args.repeats < 1 or any(g < 1 for g in args.gammas):
         parser.error("--prompts, --repeats and --gammas must be >= 1, --new-tokens >= 2")
+    if any(not 0 < value < 1 for value in args.lenience):
+        parser.error("--lenience values must be in (0, 1); 1 is the exact run, always included")
+    if any(b < 1 for b in args.batch_size):
+        parser.error("--batch-size values must be >= 1")
     schedules = [] if args.hf_assisted == ["none"] else args.hf_assisted
     for schedule in schedules:
         kind, _, n = schedule.partition(":")
@@ -340,7 +355,7 @@ def _bench(args, parser) -> int:
         bar = None if args.quiet else _bar()
         bench_report(decoder, args.tasks, args.prompts, new_tokens=args.new_tokens, repeats=args.repeats,
                      gammas=args.gammas, sampling=sampling, hf_schedules=schedules, out=args.out,
-                     hf_draft=hf_draft, progress=bar)
+                     hf_draft=hf_draft, lenience=args.lenience, batch_sizes=args.batch_size, progress=bar)
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f"specdecode: error: {err}", file=sys.stderr)
         return 2

@@ -83,7 +83,12 @@ def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None 
     Raises:
         ValueError: the model cannot be found or loaded here (the message says what to do).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSeq2SeqLM,
+        AutoTokenizer,
+    )
 
     check_model_spec(spec)
     if spec in zoo.ZOO:

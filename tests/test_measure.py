@@ -119,3 +119,35 @@ def test_measurement_usage_errors_exit_2(args, match, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_bench_lenience_and_batch_rows(pair_dirs, tmp_path):
+    out = tmp_path / "bench"
+    assert main(["bench", "--quick", "--target", pair_dirs[0], "--draft", pair_dirs[1], "--dtype", "float32",
+                 "--quiet", "--hf-assisted", "none", "--gammas", "2", "--lenience", "0.3",
+                 "--batch-size", "1", "2", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    rows = {r["config"]: r for r in data["rows"]}
+    lenient = rows["specdecode γ=4, lenience 0.3 (lossy)"]
+    assert lenient["alpha_hat"] >= rows["specdecode γ=2"]["alpha_hat"] - 0.05
+    assert [(b["batch_size"], b["method"]) for b in data["batch"]] == \
+        [(1, "plain"), (1, "speculative"), (2, "plain"), (2, "speculative")]
+    assert "lossy" in out.with_suffix(".md").read_text()
+
+
+def test_lenient_alpha_is_the_papers_formula_and_grows_as_l_falls():
+    from specdecode.alpha import lenient_beta
+
+    p = torch.tensor([[0.1, 0.6, 0.3]])
+    q = torch.tensor([[0.5, 0.3, 0.2]])
+    assert lenient_beta(p, q, p, 1.0, greedy=False).item() == pytest.approx(0.6)  # Σ min(p, q)
+    assert lenient_beta(p, q, p, 0.5, greedy=False).item() == pytest.approx(0.2 + 0.3 + 0.2)  # Σ min(p/l, q)
+    one_hot = torch.tensor([[1.0, 0.0, 0.0]])  # the greedy draft proposes token 0: p = 0.1 = max p / 6
+    assert lenient_beta(p, one_hot, p, 0.2, greedy=True).item() == 0.0
+    assert lenient_beta(p, one_hot, p, 0.1, greedy=True).item() == 1.0
+    target, draft = TableModel(6, seed=0), TableModel(6, seed=1)
+    records = measure_task(target, draft, [[1, 2]], SamplingParams(temperature=1.0), gamma=3, max_new_tokens=100,
+                           eos_token_ids=frozenset(), lenience=(0.5, 0.1))
+    alphas = summarize(records, 3)["paper"]
+    assert alphas["draft model"]["alpha"] < alphas["draft model, l=0.5 (lossy)"]["alpha"] \
+        < alphas["draft model, l=0.1 (lossy)"]["alpha"]
