@@ -69,14 +69,21 @@ def _our_runner(target, make_proposer: Callable, gamma: int, new_tokens: int, sa
 
 
 def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: list[int],
-                  hf_schedules: list[str], hf_draft=None, lenience: list[float] = ()) -> dict[str, Callable]:
-    """name → go(ids, seed) -> (token ids, GenerationStats or None). hf_draft: a transformers
-    draft model for assisted generation (default: the decoder's own draft model object).
-    lenience: values l < 1 add LOSSY runs (paper A.5) at γ = LENIENCE_GAMMA."""
+                  hf_schedules: list[str], hf_drafts: dict | None = None, lenience: list[float] = (),
+                  headline: bool = False) -> dict[str, Callable]:
+    """name → go(ids, seed) -> (token ids, GenerationStats or None).
+
+    hf_schedules: "heuristic" or "constant:N", each optionally "@LABEL" naming the draft in
+        hf_drafts (a dict label → transformers draft model) given to assisted generation; without
+        a label, the first of hf_drafts (default: {"ours": the decoder's own draft model object}).
+    lenience: values l < 1 add LOSSY runs (paper A.5) at γ = LENIENCE_GAMMA.
+    headline: skip our plain decoding and prompt lookup alone (they cost a target-alone run each).
+    """
     target = decoder.target.backend
     pad = decoder.tokenizer.pad_token_id if decoder.tokenizer.pad_token_id is not None else decoder.tokenizer.eos_token_id
-    configs = {BASELINE: _hf_runner(target.model, new_tokens, sampling, pad),
-               "specdecode plain": _our_runner(target, lambda: None, 0, new_tokens, sampling)}
+    configs = {BASELINE: _hf_runner(target.model, new_tokens, sampling, pad)}
+    if not headline:
+        configs["specdecode plain"] = _our_runner(target, lambda: None, 0, new_tokens, sampling)
     draft = decoder.draft.backend if decoder.draft is not None else None
     if draft is not None:
         for g in gammas:
@@ -86,14 +93,16 @@ def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: li
                 target, lambda: DraftModelProposer(draft), LENIENCE_GAMMA, new_tokens, sampling, lenience=value)
     configs["specdecode as configured"] = _our_runner(target, decoder._proposer, decoder.num_speculative_tokens,
                                                       new_tokens, sampling, decoder.guard_costs)
-    configs["prompt lookup alone"] = _our_runner(
-        target, lambda: PromptLookupProposer(target.vocab_size), decoder.num_speculative_tokens, new_tokens, sampling)
-    assistant = hf_draft if hf_draft is not None else (draft.model if draft is not None else None)
-    if assistant is not None:
-        for schedule in hf_schedules:
-            kind, _, tokens = schedule.partition(":")
-            configs[f"transformers assisted, {schedule}"] = _hf_runner(
-                target.model, new_tokens, sampling, pad, assistant, kind, int(tokens or 4))
+    if not headline:
+        configs["prompt lookup alone"] = _our_runner(
+            target, lambda: PromptLookupProposer(target.vocab_size), decoder.num_speculative_tokens, new_tokens, sampling)
+    hf_drafts = hf_drafts or ({"ours": draft.model} if draft is not None else {})
+    for spec in hf_schedules if hf_drafts else ():
+        schedule, _, label = spec.partition("@")
+        label = label or next(iter(hf_drafts))
+        kind, _, tokens = schedule.partition(":")
+        configs[f"transformers assisted, {schedule}, {label} draft"] = _hf_runner(
+            target.model, new_tokens, sampling, pad, hf_drafts[label], kind, int(tokens or 4))
     return configs
 
 
@@ -139,7 +148,7 @@ def summarize(timings: dict, costs: dict, tasks: list[str]) -> list[dict]:
     the per-repeat ratio), overall and per task; α̂ and tokens per call; Thm 3.8 predictions."""
     rows = []
     base_outputs = timings["outputs"][BASELINE]
-    plain_outputs = timings["outputs"]["specdecode plain"]
+    plain_outputs = timings["outputs"].get("specdecode plain")
     all_tasks = ["all"] + tasks
 
     def totals(name):
@@ -156,7 +165,8 @@ def summarize(timings: dict, costs: dict, tasks: list[str]) -> list[dict]:
             row["tokens_per_s"][task] = _median_rate(toks, secs)
             row["speedup"][task] = statistics.median((t / s) / (bt / bs) for t, s, bt, bs in zip(toks, secs, btoks, bsecs))
         outs = timings["outputs"][name]
-        row["same_tokens_as_plain"] = sum(a == b for a, b in zip(outs, plain_outputs))
+        if plain_outputs is not None:
+            row["same_tokens_as_plain"] = sum(a == b for a, b in zip(outs, plain_outputs))
         row["same_tokens_as_hf"] = sum(a == b for a, b in zip(outs, base_outputs))
         st = timings["stats"][name]
         verified = sum(s.num_accepted + s.num_rejected for s in st)
@@ -194,8 +204,9 @@ def theory(rows: list[dict], costs: dict, max_gamma: int) -> dict:
 
 
 def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens: int, repeats: int,
-                 gammas: list[int], sampling: SamplingParams, hf_schedules: list[str], out: str, hf_draft=None,
-                 lenience: list[float] = (), batch_sizes: list[int] = (),
+                 gammas: list[int], sampling: SamplingParams, hf_schedules: list[str], out: str,
+                 hf_drafts: dict | None = None, lenience: list[float] = (), batch_sizes: list[int] = (),
+                 headline: bool = False,
                  progress: Callable[[int, int, str], None] | None = None) -> dict:
     """Run the benchmark and write OUT.{json,md} and OUT_*.png. Returns {"meta", "costs", "rows",
     "theory", "batch"}. batch_sizes: also time batched plain and speculative decoding (draft model,
@@ -213,7 +224,7 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
     max_k = max(gammas + [decoder.num_speculative_tokens]) + 1
     draft = decoder.draft.backend if decoder.draft is not None else None
     costs = measure_costs(decoder.target.backend, draft, prompts[0][1], list(range(1, max_k + 1)))
-    configs = build_configs(decoder, new_tokens, sampling, gammas, hf_schedules, hf_draft, lenience)
+    configs = build_configs(decoder, new_tokens, sampling, gammas, hf_schedules, hf_drafts, lenience, headline)
     timings = run_configs(configs, prompts, repeats, progress)
     rows = summarize(timings, costs, tasks)
     best = theory(rows, costs, max_k)
@@ -236,10 +247,10 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
                      + [fmt(r.get("alpha_hat")), fmt(r.get("tokens_per_call")), fmt(r.get("eq1_tokens_per_call")),
                         fmt(r.get("predicted")), fmt(r.get("predicted_corrected")),
                         f"{r['draft_share_of_time']:.0%}" if "draft_share_of_time" in r else "–",
-                        f"{r['same_tokens_as_plain']}/{len(prompts)}"])
+                        f"{r['same_tokens_as_hf']}/{len(prompts)}"])
     body += markdown_table(["configuration", "tokens/s"] + [f"speedup ({t})" for t in speed_cols]
                            + ["α̂", "tokens/call", "Eq. 1", "Thm 3.8", "Thm 3.8 with r", "draft share",
-                              "same tokens as plain"], table)
+                              "same tokens as target alone"], table)
     if best:
         body += ["", f"Theory from the sweep's pooled α̂ = {best['alpha_pooled']:.3f} and c = {best['c']:.3f}: "
                      f"optimal γ = {best['optimal_gamma']} ({best['optimal_speedup']:.2f}x); with the measured r(k): "

@@ -168,10 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--hf-assisted", nargs="*", default=["heuristic", "constant:4"], metavar="SCHEDULE",
                        help="transformers assisted-generation settings: 'heuristic' or 'constant:N' "
                             "(default: heuristic constant:4; none to skip)")
-    bench.add_argument("--hf-draft", choices=["float", "ours"], default="float",
-                       help="draft object given to transformers: 'float' = the draft model as loaded, without "
-                            "our int8 weights (the pair as given), 'ours' = the same (possibly int8) object we use "
-                            "(default: float)")
+    bench.add_argument("--hf-draft", nargs="+", choices=["float", "ours"], default=["float"],
+                       help="draft objects for transformers assisted generation: 'float' = the draft model as "
+                            "loaded, without our int8 weights (the pair as given), 'ours' = the (possibly int8) "
+                            "object we use. A schedule runs with the first of these unless it ends in @float or "
+                            "@ours, e.g. constant:4@ours (default: float)")
+    bench.add_argument("--headline", action="store_true",
+                       help="skip our plain decoding and prompt lookup alone (each costs about a target-alone "
+                            "run): only the baseline, the γ sweep, the configured decoder and transformers")
     bench.add_argument("--lenience", type=float, nargs="*", default=[], metavar="L",
                        help="also run LOSSY lenient verification (paper A.5) at γ = 4 for each l in (0, 1) "
                             "(e.g. 0.5 0.3 0.1); reported beside the exact runs, never as a speedup of exact decoding")
@@ -336,9 +340,12 @@ def _bench(args, parser) -> int:
         parser.error("--batch-size values must be >= 1")
     schedules = [] if args.hf_assisted == ["none"] else args.hf_assisted
     for schedule in schedules:
-        kind, _, n = schedule.partition(":")
-        if not (schedule == "heuristic" or (kind == "constant" and n.isdigit() and int(n) >= 1)):
-            parser.error(f"--hf-assisted takes 'heuristic' or 'constant:N', got {schedule!r}")
+        schedule_only, _, label = schedule.partition("@")
+        kind, _, n = schedule_only.partition(":")
+        if not (schedule_only == "heuristic" or (kind == "constant" and n.isdigit() and int(n) >= 1)) \
+                or label not in ("", *args.hf_draft):
+            parser.error(f"--hf-assisted takes 'heuristic' or 'constant:N', optionally @LABEL with LABEL one of "
+                         f"--hf-draft ({' '.join(args.hf_draft)}), got {schedule!r}")
     try:
         sampling = SamplingParams(temperature=args.temperature)
     except ValueError as err:
@@ -346,16 +353,20 @@ def _bench(args, parser) -> int:
     progress = _progress(args)
     try:
         decoder = _decoder(args, progress)
-        hf_draft = None
-        if args.hf_draft == "float" and decoder.draft is not None and args.draft != "none" and schedules:
-            from specdecode.decoder import load_model
+        hf_drafts = {}
+        for label in args.hf_draft if decoder.draft is not None and schedules else ():
+            if label == "ours" or args.quantize_draft is False:  # our draft object is the float one
+                hf_drafts[label] = decoder.draft.backend.model
+            else:
+                from specdecode.decoder import load_model
 
-            spec = zoo.DEFAULT_DRAFT if args.draft == "default" else args.draft
-            hf_draft = load_model(spec, decoder.dtype, progress)[0]
+                spec = zoo.DEFAULT_DRAFT if args.draft == "default" else args.draft
+                hf_drafts[label] = load_model(spec, decoder.dtype, progress)[0]
         bar = None if args.quiet else _bar()
         bench_report(decoder, args.tasks, args.prompts, new_tokens=args.new_tokens, repeats=args.repeats,
                      gammas=args.gammas, sampling=sampling, hf_schedules=schedules, out=args.out,
-                     hf_draft=hf_draft, lenience=args.lenience, batch_sizes=args.batch_size, progress=bar)
+                     hf_drafts=hf_drafts, lenience=args.lenience, batch_sizes=args.batch_size,
+                     headline=args.headline, progress=bar)
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f"specdecode: error: {err}", file=sys.stderr)
         return 2

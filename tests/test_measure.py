@@ -103,7 +103,8 @@ def test_bench_command_writes_its_report(pair_dirs, tmp_path):
     rows = {r["config"]: r for r in data["rows"]}
     assert rows["transformers generate, target alone"]["speedup"]["all"] == 1.0
     assert {"specdecode plain", "specdecode γ=2", "specdecode γ=4", "specdecode as configured",
-            "prompt lookup alone", "transformers assisted, heuristic", "transformers assisted, constant:4"} <= set(rows)
+            "prompt lookup alone", "transformers assisted, heuristic, float draft",
+            "transformers assisted, constant:4, float draft"} <= set(rows)
     # float32 greedy: every configuration emits the target's own greedy tokens
     assert all(r["same_tokens_as_plain"] == 2 and r["same_tokens_as_hf"] == 2 for r in data["rows"])
     assert rows["specdecode γ=4"]["predicted"] > 0 and data["costs"]["c"] > 0 and data["theory"]["optimal_gamma"] >= 1
@@ -113,6 +114,7 @@ def test_bench_command_writes_its_report(pair_dirs, tmp_path):
 
 @pytest.mark.parametrize("args,match", [(["bench", "--hf-assisted", "constant:x"], "hf-assisted"),
                                         (["bench", "--gammas", "0"], "gammas"),
+                                        (["bench", "--hf-assisted", "constant:4@ours"], "hf-assisted"),
                                         (["alpha", "--temperatures", "-1"], "temperatures"),
                                         (["alpha", "--tasks", "poetry"], "invalid choice")])
 def test_measurement_usage_errors_exit_2(args, match, capsys):
@@ -124,12 +126,16 @@ def test_measurement_usage_errors_exit_2(args, match, capsys):
 def test_bench_lenience_and_batch_rows(pair_dirs, tmp_path):
     out = tmp_path / "bench"
     assert main(["bench", "--quick", "--target", pair_dirs[0], "--draft", pair_dirs[1], "--dtype", "float32",
-                 "--quiet", "--hf-assisted", "none", "--gammas", "2", "--lenience", "0.3",
+                 "--quiet", "--hf-assisted", "constant:2@ours", "--hf-draft", "float", "ours", "--headline",
+                 "--gammas", "2", "--lenience", "0.3",
                  "--batch-size", "1", "2", "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     rows = {r["config"]: r for r in data["rows"]}
     lenient = rows["specdecode γ=4, lenience 0.3 (lossy)"]
     assert lenient["alpha_hat"] >= rows["specdecode γ=2"]["alpha_hat"] - 0.05
+    assert set(rows) == {"transformers generate, target alone", "specdecode γ=2", "specdecode γ=4",
+                         "specdecode γ=4, lenience 0.3 (lossy)", "specdecode as configured",
+                         "transformers assisted, constant:2, ours draft"}
     assert [(b["batch_size"], b["method"]) for b in data["batch"]] == \
         [(1, "plain"), (1, "speculative"), (2, "plain"), (2, "speculative")]
     assert "lossy" in out.with_suffix(".md").read_text()
