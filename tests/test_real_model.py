@@ -49,3 +49,29 @@ def test_cli_generates_64_tokens_from_a_humaneval_prompt(tmp_path):
     assert len(result["token_ids"]) == 64 and result["finish_reason"] == "length"
     assert result["stats"]["mean_tokens_per_call"] > 1.5
     assert len(result["text"]) > 50
+
+
+def test_default_pair_batch_of_two_humaneval_prompts_equals_each_alone(float32_decoder):
+    prompts = [problem["prompt"] for problem in humaneval_prompts(2)]
+    greedy = SamplingParams(temperature=0)
+    batched = float32_decoder.generate(prompts, max_new_tokens=16, sampling=greedy, chat=False)
+    for prompt, got in zip(prompts, batched):
+        alone = float32_decoder.generate(prompt, max_new_tokens=16, sampling=greedy, chat=False)
+        assert got.token_ids == alone.token_ids and got.text == alone.text
+        assert got.stats.num_accepted > 0 and got.stats.num_target_calls < 16
+
+
+def test_quick_bench_and_alpha_run_on_the_default_pair(tmp_path):
+    # The --quick modes are what CI runs of `specdecode bench` and `specdecode alpha` (~4 min).
+    from specdecode.cli import main
+
+    assert main(["bench", "--quick", "--quiet", "--out", str(tmp_path / "bench")]) == 0
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    rows = {r["config"]: r for r in bench["rows"]}
+    assert rows["transformers generate, target alone"]["speedup"]["all"] == 1.0
+    assert rows["specdecode γ=4"]["alpha_hat"] > 0.5 and 0 < bench["costs"]["c"] < 1
+    assert main(["alpha", "--quick", "--quiet", "--out", str(tmp_path / "alpha")]) == 0
+    alpha = json.loads((tmp_path / "alpha.json").read_text())
+    for result in alpha["results"]:
+        paper = result["paper"]
+        assert paper["uniform"]["alpha"] < paper["unigram"]["alpha"] < paper["draft model"]["alpha"]
