@@ -175,6 +175,12 @@ def summarize(timings: dict, costs: dict, tasks: list[str]) -> list[dict]:
             row["accepted_over_drafted"] = sum(s.num_accepted for s in st) / sum(s.num_drafted for s in st)
             row["tokens_per_call"] = sum(s.num_generated for s in st) / sum(s.num_target_calls for s in st)
             row["draft_share_of_time"] = sum(s.time_draft_s for s in st) / sum(s.wall_time_s for s in st)
+        if st:  # where the time goes inside the loop (the first target call also reads the prompt)
+            wall = sum(s.wall_time_s for s in st)
+            row["target_call_ms"] = 1000 * sum(s.time_target_s for s in st) / sum(s.num_target_calls for s in st)
+            drafts = sum(s.num_draft_calls for s in st)
+            row["draft_forward_ms"] = 1000 * sum(s.time_draft_s for s in st) / drafts if drafts else None
+            row["other_share_of_time"] = 1 - sum(s.time_target_s + s.time_draft_s for s in st) / wall
         sweep = re.fullmatch(r"specdecode γ=(\d+)", name)
         if sweep and "alpha_hat" in row and "c" in costs:
             gamma = int(sweep.group(1))
@@ -247,9 +253,12 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
                      + [fmt(r.get("alpha_hat")), fmt(r.get("tokens_per_call")), fmt(r.get("eq1_tokens_per_call")),
                         fmt(r.get("predicted")), fmt(r.get("predicted_corrected")),
                         f"{r['draft_share_of_time']:.0%}" if "draft_share_of_time" in r else "–",
+                        fmt(r.get("target_call_ms"), 0), fmt(r.get("draft_forward_ms"), 0),
+                        f"{r['other_share_of_time']:.0%}" if "other_share_of_time" in r else "–",
                         f"{r['same_tokens_as_hf']}/{len(prompts)}"])
     body += markdown_table(["configuration", "tokens/s"] + [f"speedup ({t})" for t in speed_cols]
                            + ["α̂", "tokens/call", "Eq. 1", "Thm 3.8", "Thm 3.8 with r", "draft share",
+                              "target call (ms)", "draft forward (ms)", "other share",
                               "same tokens as target alone"], table)
     if best:
         body += ["", f"Theory from the sweep's pooled α̂ = {best['alpha_pooled']:.3f} and c = {best['c']:.3f}: "
