@@ -151,7 +151,9 @@ def measure_task(target, draft, encoded: list[list[int]], sampling: SamplingPara
         qs = {"bigram": ngram_q(NGramModel(vocab, 2).fit(others), seq, start, sampling),
               "unigram": ngram_q(NGramModel(vocab, 1).fit(others), seq, start, sampling),
               "prompt lookup": lookup,
-              "uniform": adjust(torch.zeros(len(seq) - start, vocab), sampling)}
+              }
+        if not sampling.greedy:  # greedy "uniform" would be "always token 0": meaningless
+            qs["uniform"] = adjust(torch.zeros(len(seq) - start, vocab), sampling)
         if draft is not None:
             qs["draft model"] = draft_model_q(draft, seq, start, sampling)
         rec.betas = {name: acceptance_rate(rec.p, match_vocab(q, vocab)) for name in DRAFTS
@@ -215,6 +217,8 @@ def alpha_report(decoder, tasks: list[str], prompts_per_task: int, temperatures:
 
     Args:
         decoder: a SpeculativeDecoder (its target, draft backend, tokenizer and EOS ids are used).
+    Raises:
+        ValueError: an encoder–decoder pair (the prompts would have to go to the encoders).
     Returns:
         {"meta", "results": [{"task", "temperature", **summarize(...)}]}.
     """
@@ -222,6 +226,8 @@ def alpha_report(decoder, tasks: list[str], prompts_per_task: int, temperatures:
     from specdecode.plots import plot_alpha
     from specdecode.report import environment, fmt, markdown_table, write
 
+    if decoder.is_encoder_decoder:
+        raise ValueError("specdecode alpha measures decoder-only pairs; encoder-decoder pairs are not supported yet")
     results = []
     for task in tasks:
         prompts = load_prompts(task, prompts_per_task)
@@ -240,7 +246,7 @@ def alpha_report(decoder, tasks: list[str], prompts_per_task: int, temperatures:
     drafts = list(dict.fromkeys(d for r in results for d in r["paper"]))
     paper_rows = [[r["task"], f"{r['temperature']:g}", r["tokens"]]
                   + [f"{fmt(r['paper'][d]['alpha'])} [{fmt(r['paper'][d]['ci95'][0])}, {fmt(r['paper'][d]['ci95'][1])}]"
-                     for d in drafts]
+                     if d in r["paper"] else "–" for d in drafts]
                   + [fmt(r["paper"]["prompt lookup"]["coverage"])] for r in results]
     body = ["## α the paper's way: mean of Σ min(p, q) over the target's text (Cor. 3.6), 95% bootstrap over prompts", ""]
     body += markdown_table(["task", "T", "tokens"] + [f"α {d}" for d in drafts] + ["lookup coverage"], paper_rows)

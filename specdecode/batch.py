@@ -37,9 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.decoding import (ACCEPTED, BONUS, CORRECTED, TARGET, DecodeConfig, GenerationResult,
-                                 GenerationStats, _clip_gamma, _Output)
+                                 GenerationStats, _clip_gamma, _Output, accept)
 from specdecode.sampling import SamplingParams, adjust, make_generator, sample
-from specdecode.verify import speculative_step
 
 
 @dataclass
@@ -123,7 +122,7 @@ def decode_batch(target, draft, prompts: list[list[int]], configs: list[DecodeCo
 
 def _new_row(prompt: list[int], config: DecodeConfig, tokenizer, draft) -> _Row:
     k_max = config.num_speculative_tokens if draft is not None else 0
-    stats = GenerationStats(lossy=config.lenience < 1.0, accepted_per_position=[0] * k_max)
+    stats = GenerationStats(lossy=config.lenience < 1.0 and draft is not None, accepted_per_position=[0] * k_max)
     return _Row(config=config, out=_Output(config, tokenizer, prompt), generator=make_generator(config.sampling.seed),
                 stats=stats, pending=prompt, draft_pending=list(prompt), committed=len(prompt))
 
@@ -182,14 +181,8 @@ def _accept_and_commit(row: _Row, logits: torch.Tensor) -> None:
     """Algorithm 1's accept step for one row, then its token-by-token commit (decoding.decode's
     steps 3-5, drawing from the row's generator in the same order)."""
     k = row.k
-    p = adjust(logits, row.sampling)  # [k+1, V]
-    if k > 0:
-        drafts = torch.tensor(row.drafts, dtype=torch.long)
-        n, token = speculative_step(drafts[None], torch.stack(row.q)[None], p[None], row.generator,
-                                    row.config.lenience)
-        n, token = int(n), int(token)
-    else:
-        n, token = 0, row.draw(p[0])
+    n, token = accept(torch.tensor(row.drafts, dtype=torch.long), torch.stack(row.q) if k > 0 else None, logits,
+                      row.config, row.generator)
     row.stats.num_target_calls += 1
     new_tokens = row.drafts[:n] + [token]
     origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]

@@ -49,7 +49,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                              "--draft none --prompt-lookup uses lookup alone)")
     parser.add_argument("--quantize-draft", action=argparse.BooleanOptionalAction, default=None,
                         help="store the draft's weights as int8 for a faster draft step; exact either way, "
-                             "since only the proposal changes (default: on)")
+                             "since only the proposal changes (default: on for decoder-only drafts loaded by "
+                             "name or path)")
     parser.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True,
                         help="pause drafting while the acceptances say it does not pay (paper Cor. 3.9: "
                              "only if α > c, with c measured once at load), probing again every 16 steps; exact "
@@ -250,6 +251,10 @@ def _generate(args, parser) -> int:
         parser.error("give either a PROMPT or --prompts-file FILE")
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.batch_size is not None and args.prompts_file is None:
+        parser.error("--batch-size needs --prompts-file")
+    if args.show_tokens and args.prompts_file is not None:
+        parser.error("--show-tokens colours a single streamed prompt; it does not apply to --prompts-file")
     try:
         prompt = _read_prompt(args.prompt) if args.prompt is not None else _read_prompts_file(args.prompts_file)
     except (OSError, UnicodeDecodeError, ValueError) as err:
@@ -312,6 +317,7 @@ def _alpha(args, parser) -> int:
         parser.error("--temperatures must be >= 0")
     if any(not 0 < value < 1 for value in args.lenience):
         parser.error("--lenience values must be in (0, 1)")
+    args.guard = False  # α needs no run-time guard (and not its ~3 s of timing at load)
     progress = _progress(args)
     try:
         decoder = _decoder(args, progress)

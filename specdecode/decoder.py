@@ -250,6 +250,7 @@ class SpeculativeDecoder:
                     f"{self.draft.backend.decoder_start_token_id}, target {self.target.name!r} from "
                     f"{self.target.backend.decoder_start_token_id}; they must agree")
         self.eos_token_ids = self._eos_ids(self.target.backend.model, self.tokenizer)
+        self._owner: GenerationStream | None = None
         self.guard_costs = None  # None: no guard
         if guard and self.draft is not None:
             self.guard_costs = guard_costs or self._measure_guard_costs(progress)
@@ -265,7 +266,6 @@ class SpeculativeDecoder:
         gamma = self.num_speculative_tokens
         costs = measure_costs(self.target.backend, self.draft.backend, context, [gamma + 1], repeats=3)
         return costs["c"], max(costs["r"][gamma + 1] - 1, 0.0) / gamma
-        self._owner: GenerationStream | None = None
 
     def _load(self, spec, tokenizer, progress, vocab_limit=None, quantize: bool | None = False) -> _Loaded:
         """quantize: True, False, or None for the default (int8 for causal models loaded here)."""
@@ -304,9 +304,10 @@ class SpeculativeDecoder:
                 ids.update(value)
         return frozenset(ids)
 
-    def _proposer(self):
-        proposer = (DraftModelProposer(self.draft.backend, self.draft_confidence)
-                    if self.draft is not None else None)
+    def _proposer(self, draft_backend=None):
+        """The configured proposer; draft_backend replaces the draft's own (the benchmark wraps it)."""
+        draft_backend = draft_backend or (self.draft.backend if self.draft is not None else None)
+        proposer = DraftModelProposer(draft_backend, self.draft_confidence) if draft_backend is not None else None
         if self.prompt_lookup:
             proposer = PromptLookupProposer(self.target.backend.vocab_size, fallback=proposer)
         return proposer
@@ -320,8 +321,9 @@ class SpeculativeDecoder:
         sampling = sampling or SamplingParams()
         # A seeded sampled request must give the same output alone, in a batch (which has no
         # guard) and in another process (which measures its own c): the guard stays out of it.
-        # Greedy output does not depend on when drafting pauses.
-        guarded = sampling.greedy or sampling.seed is None
+        # Exact greedy output does not depend on when drafting pauses (up to bf16 near-ties);
+        # lenient greedy does (a paused step emits the argmax), so it is not guarded either.
+        guarded = lenience == 1 if sampling.greedy else sampling.seed is None
         return DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling,
                             num_speculative_tokens=self.num_speculative_tokens, eos_token_ids=self.eos_token_ids,
                             stop=stops, lenience=lenience, costs=self.guard_costs if guarded else None)
@@ -410,9 +412,10 @@ class SpeculativeDecoder:
             chat: apply the chat template (None: for string prompts when the target has one).
             batch_size: for a list of prompts, how many decode together: None = all, 1 = one
                 after another. The batch path drafts with the draft model at fixed γ (with
-                draft_confidence's dynamic γ) and skips prompt lookup; lookup-only decoding
-                (draft=None, prompt_lookup=True), encoder–decoder and sliding-window models and
-                lenience < 1 always go one at a time.
+                draft_confidence's dynamic γ) and skips prompt lookup, so that each row equals its
+                result alone, sampling with prompt lookup on goes one at a time; so do lookup-only
+                decoding (draft=None, prompt_lookup=True), encoder–decoder and sliding-window
+                models, and lenience < 1.
             lenience: l in (0, 1]; 1 (default) is exact. l < 1 is LOSSY (paper A.5): it changes
                 the output distribution (no token gets more than p(x)/l; greedy keeps a draft
                 token with p(x) >= l·max p) and marks result.stats.lossy.
@@ -435,7 +438,10 @@ class SpeculativeDecoder:
                 raise ValueError("stream=True takes one prompt, not a list")
             # Encode (and so validate) every prompt before generating any; the ids go in verbatim.
             encoded = [self.encode(p, chat) for p in prompt]
-            if batch_size == 1 or lenience < 1 or not self._can_batch():
+            # The batch path drafts with the draft model only: with prompt lookup on, a seeded
+            # sampled row would draw from its generator differently than alone (rule 7).
+            sampled_lookup = self.prompt_lookup and not config.sampling.greedy
+            if batch_size == 1 or lenience < 1 or sampled_lookup or not self._can_batch():
                 return [self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                       lenience=lenience) for ids in encoded]
             return self._generate_batch(encoded, config, batch_size or len(encoded))

@@ -169,6 +169,27 @@ def _clip_gamma(k: int, tokens_left: int, max_length: int | None, committed: int
     return k
 
 
+def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor, config: DecodeConfig,
+           generator: torch.Generator) -> tuple[int, int]:
+    """Step 3 for one sequence: (drafts accepted, the next token). Shared by the single-sequence
+    and the batched loops so they draw from the generator identically.
+
+    Args:
+        drafts: [k] int64.  draft_probs: [k, V_draft] q (None when k = 0).
+        logits: [k+1, V] the target's raw logits after the pending tokens and each draft.
+    """
+    k = len(drafts)
+    if k > 0 and config.sampling.greedy and config.lenience < 1:
+        # lenience must see the target's untempered distribution, not the one-hot (paper A.5)
+        n, token = greedy_lenient_step(drafts[None], logits[None], config.lenience)
+        return int(n), int(token)
+    p = adjust(logits, config.sampling)
+    if k > 0:
+        n, token = speculative_step(drafts[None], draft_probs[None], p[None], generator, config.lenience)
+        return int(n), int(token)
+    return 0, int(p[0].argmax()) if config.sampling.greedy else int(sample(p[0], generator))
+
+
 def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokenizer=None,
            ) -> Iterator[TokenEvent]:
     """Generate from `target`, speculating with `proposer` (None: plain decoding).
@@ -185,7 +206,7 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
     """
     start = time.perf_counter()
     generator = make_generator(config.sampling.seed)
-    stats = GenerationStats(lossy=config.lenience < 1.0)
+    stats = GenerationStats(lossy=config.lenience < 1.0 and proposer is not None)
     out = _Output(config, tokenizer, prompt_ids)
     prompt = torch.tensor(prompt_ids, dtype=torch.long)
     k_max = config.num_speculative_tokens if proposer is not None else 0
@@ -220,20 +241,10 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
         t0 = time.perf_counter()
         fed = torch.where(drafts < target.vocab_size, drafts, 0)
         logits = target.forward(torch.cat([pending, fed]), k + 1)  # [k+1, V]
-        p = adjust(logits, config.sampling)
         stats.time_target_s += time.perf_counter() - t0
         stats.num_target_calls += 1
         # 3 accept
-        if k > 0 and config.sampling.greedy and config.lenience < 1:
-            # lenience must see the target's untempered distribution, not the one-hot (A.5)
-            n, token = greedy_lenient_step(drafts[None], logits[None], config.lenience)
-            n, token = int(n), int(token)
-        elif k > 0:
-            n, token = speculative_step(drafts[None], draft.probs[None], p[None], generator, config.lenience)
-            n, token = int(n), int(token)
-        else:
-            n = 0
-            token = int(p[0].argmax()) if config.sampling.greedy else int(sample(p[0], generator))
+        n, token = accept(drafts, draft.probs if k > 0 else None, logits, config, generator)
         # 4 commit, token by token, until a stop
         new_tokens = drafts[:n].tolist() + [token]
         origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]

@@ -38,9 +38,8 @@ def markdown_table(header: list[str], rows: list[list]) -> list[str]:
 
 def write(out: str | Path, title: str, meta: dict, body: list[str], data: dict) -> tuple[Path, Path]:
     """Writes OUT.json ({"meta", **data}) and OUT.md (title, meta, body). Returns both paths."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out.with_suffix(".json"), out.with_suffix(".md")
+    json_path, md_path = Path(f"{out}.json"), Path(f"{out}.md")  # OUT may contain dots
+    json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps({"meta": meta, **data}, indent=2, ensure_ascii=False))
     head = [f"# {title}", "", "| " + " | ".join(f"{k}: {v}" for k, v in meta.items() if k != "command") + " |",
             "|" + "---|" * (len(meta) - 1), "", f"Command: `{meta['command']}`", ""]

@@ -308,6 +308,8 @@ def test_cli_prompts_file_prints_each_text_under_a_header(model_dirs, tmp_path, 
     (["--prompts-file", "{path}.jsonl"], "not json\n", "not JSON"),
     (["--prompts-file", "{path}", "--batch-size", "0"], "abc\n", "batch-size"),
     (["--prompts-file", "{path}-missing"], None, "cannot read the prompts"),
+    (["hello", "--batch-size", "2"], None, "needs --prompts-file"),
+    (["--prompts-file", "{path}", "--show-tokens"], "abc\n", "show-tokens"),
 ])
 def test_cli_prompts_file_usage_errors_exit_2(tmp_path, capsys, args, content, match):
     path = tmp_path / "p"
@@ -318,3 +320,27 @@ def test_cli_prompts_file_usage_errors_exit_2(tmp_path, capsys, args, content, m
         main(["generate"] + [a.format(path=path) for a in args])
     assert exit_info.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_a_seeded_sampled_prompt_gives_the_same_output_in_a_list_as_alone(model_dirs):
+    # Prompt lookup is on by default, and the batch path has none: sampled lists go one at a time.
+    decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float32")
+    sampling = SamplingParams(seed=7)
+    for prompt in ("abcabcab", "hgfe"):
+        assert decoder.generate([prompt], max_new_tokens=20, sampling=sampling)[0].token_ids == \
+            decoder.generate(prompt, max_new_tokens=20, sampling=sampling).token_ids
+
+
+def test_the_guard_stays_out_of_seeded_sampling_and_lenient_greedy(model_dirs):
+    decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float32", guard_costs=(0.1, 0.0))
+    greedy, seeded = SamplingParams(temperature=0), SamplingParams(seed=1)
+    assert decoder._config(8, greedy, None).costs == (0.1, 0.0)
+    assert decoder._config(8, SamplingParams(), None).costs == (0.1, 0.0)
+    assert decoder._config(8, seeded, None).costs is None
+    assert decoder._config(8, greedy, None, lenience=0.5).costs is None
+    assert SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], guard=False).guard_costs is None
+
+
+def test_lenience_without_a_draft_is_not_lossy(model_dirs):
+    plain = SpeculativeDecoder(model_dirs["target"], None, dtype="float32")
+    assert not plain.generate("abc", max_new_tokens=5, lenience=0.5).stats.lossy

@@ -247,3 +247,16 @@ def test_batch_throughput_rejects_bad_arguments(kwargs, match):
                 new_tokens=2, gamma=2, sampling=GREEDY) | kwargs
     with pytest.raises(ValueError, match=match):
         batch_throughput(**args)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams()], ids=["greedy", "t1"])
+def test_lenient_rows_equal_their_lenient_single_runs(sampling):
+    # Both loops share decoding.accept, the greedy lenience rule included (paper A.5, lossy).
+    import dataclasses
+
+    target, draft = table_pair_close(noise=2.0)
+    configs = [dataclasses.replace(c, lenience=0.3) for c in row_configs(sampling)]
+    batch = decode_batch(BatchedTableModel(target), BatchedTableModel(draft), PROMPTS, configs)
+    for prompt, config, got in zip(PROMPTS, configs, batch):
+        alone = run(target, DraftModelProposer(draft), prompt, config)
+        assert got.token_ids == alone.token_ids and got.stats.lossy and alone.stats.lossy

@@ -89,7 +89,8 @@ def test_alpha_command_writes_its_report(pair_dirs, tmp_path, capsys):
     assert [(r["task"], r["temperature"]) for r in data["results"]] == \
         [("code", 0.0), ("code", 1.0), ("translation", 0.0), ("translation", 1.0)]
     for r in data["results"]:
-        assert set(r["paper"]) == {"draft model", "bigram", "unigram", "prompt lookup", "uniform"}
+        uniform = {"uniform"} if r["temperature"] > 0 else set()  # greedy "uniform" would be token 0
+        assert set(r["paper"]) == {"draft model", "bigram", "unigram", "prompt lookup"} | uniform
         assert 0 <= r["paper"]["draft model"]["alpha"] <= 1 and r["empirical"]["gamma"] == 3
     assert (tmp_path / "alpha_alpha.png").stat().st_size > 0
     assert "α the paper's way" in capsys.readouterr().out
@@ -157,3 +158,20 @@ def test_lenient_alpha_is_the_papers_formula_and_grows_as_l_falls():
     alphas = summarize(records, 3)["paper"]
     assert alphas["draft model"]["alpha"] < alphas["draft model, l=0.5 (lossy)"]["alpha"] \
         < alphas["draft model, l=0.1 (lossy)"]["alpha"]
+
+
+def test_bench_masks_eos_on_our_side_as_transformers_min_new_tokens_does():
+    from specdecode.bench import NoEOS
+
+    target = TableModel(6, seed=0)
+    masked = NoEOS(target, {2, 9})
+    logits = masked.forward(torch.tensor([1, 2, 3]), 2)
+    assert torch.isinf(logits[:, 2]).all() and torch.isfinite(logits[:, [0, 1, 3, 4, 5]]).all()
+    assert masked.length == 3 and masked.vocab_size == 6
+
+
+def test_report_paths_may_contain_dots(tmp_path):
+    from specdecode.report import write
+
+    json_path, md_path = write(tmp_path / "t0.5", "title", {"command": "x", "a": 1}, ["body"], {"rows": []})
+    assert json_path.name == "t0.5.json" and md_path.name == "t0.5.md" and "body" in md_path.read_text()
