@@ -92,12 +92,13 @@ def _hf_runner(model, new_tokens: int, sampling: SamplingParams, pad_id: int, eo
 
 
 def _our_runner(target, make_proposer: Callable, gamma: int, new_tokens: int, sampling: SamplingParams,
-                guard_costs: tuple[float, float] | None = None, lenience: float = 1.0):
+                guard_costs: tuple[float, float] | None = None, lenience: float = 1.0, gamma_schedule: str = "fixed"):
     def go(ids: list[int], seed: int):
         params = dataclasses.replace(sampling, seed=seed)
         result = run(target, make_proposer(), ids, DecodeConfig(max_new_tokens=new_tokens, sampling=params,
                                                                  num_speculative_tokens=gamma,
-                                                                 costs=guard_costs, lenience=lenience))
+                                                                 costs=guard_costs, lenience=lenience,
+                                                                 gamma_schedule=gamma_schedule))
         return result.token_ids, result.stats
     return go
 
@@ -130,7 +131,8 @@ def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: li
     # As generate() does: the guard runs for greedy (and unseeded) requests; bench seeds every run.
     configs["specdecode as configured"] = _our_runner(target, lambda: decoder._proposer(draft),
                                                       decoder.num_speculative_tokens, new_tokens, sampling,
-                                                      decoder.guard_costs if sampling.greedy else None)
+                                                      decoder.guard_costs if sampling.greedy else None,
+                                                      gamma_schedule=decoder.gamma_schedule)
     if not headline:
         configs["prompt lookup alone"] = _our_runner(
             target, lambda: PromptLookupProposer(target.vocab_size), decoder.num_speculative_tokens, new_tokens, sampling)

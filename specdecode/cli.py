@@ -8,7 +8,7 @@ import os
 import sys
 
 from specdecode import zoo
-from specdecode.decoder import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_GAMMA
+from specdecode.decoder import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_GAMMA, DEFAULT_GAMMA_SCHEDULE
 from specdecode.decoding import ACCEPTED, BONUS, CORRECTED
 
 # Colours of the paper's Figure 1: green = accepted draft token, blue = target's correction
@@ -36,6 +36,10 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"draft model, same forms as --target, or 'none' for plain decoding (default: {zoo.DEFAULT_DRAFT})")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_GAMMA,
                         help=f"γ: the most draft tokens proposed per target call (default: {DEFAULT_GAMMA})")
+    parser.add_argument("--gamma-schedule", choices=["fixed", "adaptive"], default=DEFAULT_GAMMA_SCHEDULE,
+                        help="fixed: draft up to γ tokens every step; adaptive: start at 4, +2 after a fully "
+                             "accepted block, -1 otherwise, within [1, γ] (exact either way; "
+                             f"default: {DEFAULT_GAMMA_SCHEDULE})")
     parser.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
                         help="dynamic γ: stop drafting once the draft's probability of its own token falls "
                              "below this, in [0, 1); exact either way; 0 always drafts γ tokens "
@@ -226,7 +230,7 @@ def _decoder(args, progress):
 
     return SpeculativeDecoder(args.target, None if args.draft == "none" else args.draft,
                               num_speculative_tokens=args.num_speculative_tokens,
-                              draft_confidence=args.draft_confidence,
+                              draft_confidence=args.draft_confidence, gamma_schedule=args.gamma_schedule,
                               draft_vocab_limit=args.draft_vocab_limit or "auto",
                               prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft, guard=args.guard,
                               dtype=args.dtype, progress=progress)

@@ -27,6 +27,7 @@ from specdecode.timing import measure_costs
 # its own token, with the zoo draft scoring only its first 32768 ids.
 DEFAULT_GAMMA = 8
 DEFAULT_DRAFT_CONFIDENCE = 0.4
+DEFAULT_GAMMA_SCHEDULE = "fixed"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -183,6 +184,9 @@ class SpeculativeDecoder:
             None (default): on for a draft loaded by name or path, off for a draft given as a
             loaded model (True quantizes a copy of it; the user's object is never changed), and
             off for encoder–decoder drafts (their layers read .weight directly; True raises).
+        gamma_schedule: "fixed" drafts up to γ every step; "adaptive" starts at 4, adds 2 after a
+            fully accepted block and drops 1 otherwise, within [1, γ] (transformers' "heuristic"
+            schedule). Exact either way (the choice looks only at the past).
         guard: pause drafting while the request's acceptances say it does not pay (Cor. 3.9's
             α > c checked at run time, specdecode.guard), probing again every 16 steps. Exact
             either way. Seeded sampled requests are not guarded, so that a seed gives the same
@@ -201,7 +205,7 @@ class SpeculativeDecoder:
     def __init__(self, target="default", draft="default", *, tokenizer=None,
                  num_speculative_tokens: int = DEFAULT_GAMMA, draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
                  draft_vocab_limit: int | str | None = "auto", prompt_lookup: bool | None = None,
-                 quantize_draft: bool | None = None, guard: bool = True,
+                 quantize_draft: bool | None = None, gamma_schedule: str = DEFAULT_GAMMA_SCHEDULE, guard: bool = True,
                  guard_costs: tuple[float, float] | None = None, dtype=None,
                  progress: Callable[[str], None] | None = None):
         if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool) \
@@ -209,6 +213,9 @@ class SpeculativeDecoder:
             raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
         if not 0 <= draft_confidence < 1:
             raise ValueError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
+        if gamma_schedule not in ("fixed", "adaptive"):
+            raise ValueError(f"gamma_schedule must be 'fixed' or 'adaptive', got {gamma_schedule!r}")
+        self.gamma_schedule = gamma_schedule
         if guard_costs is not None and (len(guard_costs) != 2 or not all(x >= 0 for x in guard_costs)):
             raise ValueError(f"guard_costs must be two numbers >= 0 (c, slope), got {guard_costs!r}")
         if draft_vocab_limit not in (None, "auto") and (
@@ -326,7 +333,8 @@ class SpeculativeDecoder:
         guarded = lenience == 1 if sampling.greedy else sampling.seed is None
         return DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling,
                             num_speculative_tokens=self.num_speculative_tokens, eos_token_ids=self.eos_token_ids,
-                            stop=stops, lenience=lenience, costs=self.guard_costs if guarded else None)
+                            stop=stops, lenience=lenience, costs=self.guard_costs if guarded else None,
+                            gamma_schedule=self.gamma_schedule)
 
     def _can_batch(self) -> bool:
         """Lookup-only decoding has no batched form; sliding-window models have no batched backend."""

@@ -120,6 +120,11 @@ class DecodeConfig:
     # (c, verify slope) in target calls: pause drafting while it does not pay
     # (specdecode.guard, Cor. 3.9); None speculates on every step.
     costs: tuple[float, float] | None = None
+    # γ per step: "fixed" drafts up to num_speculative_tokens every step; "adaptive" starts at
+    # min(4, γ_max), adds 2 after a block whose planned drafts were all accepted and drops 1
+    # otherwise (within [1, γ_max]). Any rule that looks only at the past is exact (§2.3 holds
+    # step by step).
+    gamma_schedule: str = "fixed"
 
 
 class _Output:
@@ -210,6 +215,8 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
     out = _Output(config, tokenizer, prompt_ids)
     prompt = torch.tensor(prompt_ids, dtype=torch.long)
     k_max = config.num_speculative_tokens if proposer is not None else 0
+    adaptive = config.gamma_schedule == "adaptive"
+    k_step = min(4, k_max) if adaptive else k_max
     stats.accepted_per_position = [0] * k_max
 
     target.reset()
@@ -225,8 +232,8 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
         if target.max_length is not None and committed >= target.max_length:
             out.finish_reason = "length"
             break
-        k = k_max if guard is None or guard.speculate() else 0
-        k = _clip_gamma(k, config.max_new_tokens - len(out.token_ids), target.max_length, committed)
+        k = k_step if guard is None or guard.speculate() else 0
+        k = planned = _clip_gamma(k, config.max_new_tokens - len(out.token_ids), target.max_length, committed)
         # 1 propose
         draft_calls = proposer.num_calls if proposer is not None else 0
         if k > 0:
@@ -256,6 +263,8 @@ def decode(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokeni
                 break
         # 5 record
         stats.record_step(k, n, pushed)
+        if adaptive and planned > 0:  # a block cut short by the draft's own doubt counts as a miss
+            k_step = min(k_max, k_step + 2) if n == planned else max(1, k_step - 1)
         if guard is not None and k > 0:
             guard.record(k, proposer.num_calls - draft_calls, n + 1)
         target.truncate(committed + n)

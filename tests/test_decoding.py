@@ -243,3 +243,30 @@ def test_alpha_estimate_measures_the_per_token_acceptance_probability():
     # accepted / drafted is E[accepted] / γ = β(1 − β^γ) / ((1 − β)γ) instead (i.i.d. acceptances)
     assert s.acceptance_rate == pytest.approx(beta * (1 - beta ** 4) / ((1 - beta) * 4), abs=0.03)
     assert s.acceptance_rate < s.alpha_estimate
+
+
+def test_adaptive_gamma_grows_while_blocks_are_accepted_and_shrinks_after_misses():
+    target, draft = TableModel(8, seed=0), TableModel(8, seed=0)  # identical: every block accepted
+    calls = []
+    proposer = DraftModelProposer(draft)
+    real_propose = proposer.propose
+    proposer.propose = lambda k: calls.append(k) or real_propose(k)
+    run(target, proposer, [1, 2, 3], config(200, k=12, gamma_schedule="adaptive"))
+    assert calls[:6] == [4, 6, 8, 10, 12, 12]
+    wrong = TableModel(8, seed=0)
+    wrong.table = -wrong.table
+    calls.clear()
+    proposer = DraftModelProposer(wrong)
+    real_propose = proposer.propose
+    proposer.propose = lambda k: calls.append(k) or real_propose(k)
+    run(target, proposer, [1, 2, 3], config(20, k=12, gamma_schedule="adaptive"))
+    assert calls[:5] == [4, 3, 2, 1, 1]
+
+
+def test_adaptive_gamma_keeps_the_target_distribution_chi_square():
+    from conftest import chi2_pvalue
+    from test_exactness import loop_sequence_counts
+
+    observed, probs = loop_sequence_counts(lambda d: DraftModelProposer(d, 0.5), SamplingParams(), runs=3000,
+                                           gamma_schedule="adaptive")
+    assert chi2_pvalue(observed, probs) > 1e-3

@@ -41,3 +41,14 @@ def test_quantize_replaces_every_linear_and_keeps_greedy_output():
         assert spec.token_ids == plain.token_ids
         assert 0 < spec.stats.num_accepted < spec.stats.num_drafted
     assert HFCausalLM(quantized, vocab_limit=64).vocab_size == 64 and HFCausalLM(quantized).vocab_size == VOCAB
+
+
+def test_many_rows_take_the_dequantized_gemm_and_agree_with_the_int8_kernel():
+    from specdecode.models import quant
+
+    torch.manual_seed(1)
+    layer = Int8Linear(torch.randn(32, 24), torch.randn(32))
+    x = torch.randn(quant.DEQUANTIZE_ABOVE_ROWS + 4, 24)
+    many = layer(x)  # one call above the threshold
+    rows = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])  # the int8 kernel, row by row
+    assert torch.allclose(many, rows, atol=1e-4)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+DEQUANTIZE_ABOVE_ROWS = 16  # rows (tokens) per call above which a float GEMM beats the int8 kernel
+
 
 class Int8Linear(torch.nn.Module):
     """y = x Wᵀ + b with W stored as int8 rows and one scale per output row (symmetric, absmax).
@@ -43,7 +45,13 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        y = torch._weight_int8pack_mm(flat, self.weight_int8, self.scale.to(x.dtype))
+        if flat.shape[0] > DEQUANTIZE_ABOVE_ROWS:
+            # The int8 kernel is built for a few rows; for a prompt (hundreds of rows) it is ~3x
+            # slower than a float GEMM, so dequantize this once and use the GEMM.
+            weight = self.weight_int8.to(x.dtype) * self.scale.to(x.dtype)[:, None]
+            y = torch.nn.functional.linear(flat, weight)
+        else:
+            y = torch._weight_int8pack_mm(flat, self.weight_int8, self.scale.to(x.dtype))
         y = y.reshape(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
