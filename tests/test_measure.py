@@ -175,3 +175,14 @@ def test_report_paths_may_contain_dots(tmp_path):
 
     json_path, md_path = write(tmp_path / "t0.5", "title", {"command": "x", "a": 1}, ["body"], {"rows": []})
     assert json_path.name == "t0.5.json" and md_path.name == "t0.5.md" and "body" in md_path.read_text()
+
+
+def test_missing_bench_extras_fail_before_any_model_loads(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    for command in ("alpha", "bench"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--target", "/nonexistent"])
+        assert exit_info.value.code == 2 and "specdecode[bench]" in capsys.readouterr().err
