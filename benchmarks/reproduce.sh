@@ -7,9 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 run() { echo "== $(date -u +%H:%M:%S) specdecode $*" >&2; specdecode "$@" --quiet > /dev/null; }
 
-# HumanEval, 20 prompts x 128 tokens, greedy: today's defaults against transformers assisted
+# HumanEval, 20 prompts x 128 tokens, greedy: the adaptive schedule against transformers assisted
 # generation given the same int8 draft object (its heuristic schedule: its best in the run below).
-run bench --tasks code --prompts 20 --new-tokens 128 --repeats 1 --gammas --headline \
+run bench --tasks code --prompts 20 --new-tokens 128 --repeats 1 --gammas --headline -k 16 --gamma-schedule adaptive \
     --hf-draft ours --hf-assisted heuristic@ours --out docs/bench_code_t0
 # The same prompts with γ ≤ 8 fixed, against transformers with the pair as given and with our draft.
 run bench --tasks code --prompts 20 --new-tokens 128 --repeats 1 --gammas --headline -k 8 --gamma-schedule fixed \

@@ -22,13 +22,13 @@ from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 from specdecode.timing import measure_costs
 
-# The fastest exact configuration measured on the default pair (docs/tune_schedule.md, held-out
-# HumanEval prompts): prompt lookup first; otherwise the int8 draft, scoring only the first 32768
-# ids, drafts up to γ tokens with γ adapted per step (start 4, +2 after a fully accepted block,
-# -1 otherwise, at most 16), stopping early once it is less than 40% sure of its own token.
-DEFAULT_GAMMA = 16
+# The fastest exact configuration on the 20-prompt HumanEval set (docs/bench_code_t0_fixed_gamma8.md,
+# 2.26x): prompt lookup first; otherwise the int8 draft, scoring only the first 32768 ids, drafts up
+# to 8 tokens, stopping once it is less than 40% sure of its own token. The adaptive schedule won on
+# 5 held-out prompts (docs/tune_schedule.md) but lost on the 20 (docs/bench_code_t0.md, 2.07x).
+DEFAULT_GAMMA = 8
 DEFAULT_DRAFT_CONFIDENCE = 0.4
-DEFAULT_GAMMA_SCHEDULE = "adaptive"
+DEFAULT_GAMMA_SCHEDULE = "fixed"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -170,8 +170,7 @@ class SpeculativeDecoder:
             §4.1) needs an encoder–decoder draft: the prompt is the encoder's input and both
             decoders start from decoder_start_token_id (specdecode.models.Seq2SeqLM).
         tokenizer: the tokenizer for a target given as a loaded model.
-        num_speculative_tokens: γ, the most drafts per target call (>= 1; default 16, reached
-            only through the adaptive schedule's growth).
+        num_speculative_tokens: γ, the most drafts per target call (>= 1; default 8).
         draft_confidence: stop drafting early once the draft's probability of its own token is
             below this (dynamic γ, exact; default 0.4); 0 always drafts γ tokens.
         draft_vocab_limit: the draft scores only token ids below this (a cheaper LM head; exact,
