@@ -8,7 +8,13 @@ import os
 import sys
 
 from specdecode import zoo
-from specdecode.decoder import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_GAMMA, DEFAULT_GAMMA_SCHEDULE
+from specdecode.decoder import (
+    DEFAULT_DRAFT_CONFIDENCE,
+    DEFAULT_DRAFT_QUANTIZATION,
+    DEFAULT_GAMMA,
+    DEFAULT_GAMMA_SCHEDULE,
+    QUANTIZATIONS,
+)
 from specdecode.decoding import ACCEPTED, BONUS, CORRECTED
 
 # Colours of the paper's Figure 1: green = accepted draft token, blue = target's correction
@@ -51,10 +57,12 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="first copy what followed an earlier occurrence of the last tokens (free drafts); "
                              "the draft model serves the other steps (default: on when there is a draft model; "
                              "--draft none --prompt-lookup uses lookup alone)")
-    parser.add_argument("--quantize-draft", action=argparse.BooleanOptionalAction, default=None,
-                        help="store the draft's weights as int8 for a faster draft step; exact either way, "
-                             "since only the proposal changes (default: on for decoder-only drafts loaded by "
-                             "name or path)")
+    parser.add_argument("--quantize-draft", choices=list(QUANTIZATIONS), default=None,
+                        help="store the draft's weights as int8 (per-row scales) or int4 (groups of 32) for a "
+                             "faster draft step; exact either way, since only the proposal changes (default: "
+                             f"{DEFAULT_DRAFT_QUANTIZATION} for decoder-only drafts loaded by name or path)")
+    parser.add_argument("--no-quantize-draft", dest="quantize_draft", action="store_const", const="none",
+                        help="the same as --quantize-draft none")
     parser.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True,
                         help="pause drafting while the acceptances say it does not pay (paper Cor. 3.9: "
                              "only if α > c, with c measured once at load), probing again every 16 steps; exact "
@@ -378,7 +386,7 @@ def _bench(args, parser) -> int:
         decoder = _decoder(args, progress)
         hf_drafts = {}
         for label in args.hf_draft if decoder.draft is not None and schedules else ():
-            if label == "ours" or args.quantize_draft is False:  # our draft object is the float one
+            if label == "ours" or args.quantize_draft == "none":  # our draft object is the float one
                 hf_drafts[label] = decoder.draft.backend.model
             else:
                 from specdecode.decoder import load_model

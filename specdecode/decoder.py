@@ -17,7 +17,7 @@ from specdecode.batch import decode_batch
 from specdecode.decoding import DecodeConfig, GenerationResult, TokenEvent, decode
 from specdecode.models import HFBatchedCausalLM, HFCausalLM, Seq2SeqLM
 from specdecode.models.hf_batch import supports_batching
-from specdecode.models.quant import quantize_int8
+from specdecode.models.quant import prepare_draft
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 from specdecode.timing import measure_costs
@@ -29,6 +29,8 @@ from specdecode.timing import measure_costs
 DEFAULT_GAMMA = 8
 DEFAULT_DRAFT_CONFIDENCE = 0.4
 DEFAULT_GAMMA_SCHEDULE = "fixed"
+DEFAULT_DRAFT_QUANTIZATION = "int8"
+QUANTIZATIONS = {"int8": 8, "int4": 4, "none": None}  # quantize_draft's kinds → bits
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -180,11 +182,14 @@ class SpeculativeDecoder:
             tokens (paper §3.6, free drafts); the draft model serves the other steps. None
             (default): on when there is a draft model. With draft=None and prompt_lookup=True,
             lookup is the only proposer; draft=None alone is plain decoding.
-        quantize_draft: store the draft's linear layers as int8 (weight-only, per-row scales): a
-            cheaper draft step, still exact since only the proposal changes (paper §3.6).
-            None (default): on for a draft loaded by name or path, off for a draft given as a
-            loaded model (True quantizes a copy of it; the user's object is never changed), and
-            off for encoder–decoder drafts (their layers read .weight directly; True raises).
+        quantize_draft: "int8" (per-row scales) or "int4" (groups of 32 with scale and zero):
+            store the draft's linear layers as integers, weight-only, for a cheaper draft step;
+            still exact, since only the proposal changes (paper §3.6). "none" or False keeps its
+            weights; True means the default kind (DEFAULT_DRAFT_QUANTIZATION). None (default):
+            the default kind for a draft loaded by name or path, none for a draft given as a
+            loaded model (a kind or True quantizes a copy of it; the user's object is never
+            changed) and for encoder–decoder drafts (their layers read .weight directly; asking
+            for a kind raises).
         gamma_schedule: "fixed" drafts up to γ every step; "adaptive" starts at 4, adds 2 after a
             fully accepted block and drops 1 otherwise, within [1, γ] (transformers' "heuristic"
             schedule). Exact either way (the choice looks only at the past).
@@ -206,7 +211,7 @@ class SpeculativeDecoder:
     def __init__(self, target="default", draft="default", *, tokenizer=None,
                  num_speculative_tokens: int = DEFAULT_GAMMA, draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
                  draft_vocab_limit: int | str | None = "auto", prompt_lookup: bool | None = None,
-                 quantize_draft: bool | None = None, gamma_schedule: str = DEFAULT_GAMMA_SCHEDULE, guard: bool = True,
+                 quantize_draft: bool | str | None = None, gamma_schedule: str = DEFAULT_GAMMA_SCHEDULE, guard: bool = True,
                  guard_costs: tuple[float, float] | None = None, dtype=None,
                  progress: Callable[[str], None] | None = None):
         if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool) \
@@ -219,6 +224,9 @@ class SpeculativeDecoder:
         self.gamma_schedule = gamma_schedule
         if guard_costs is not None and (len(guard_costs) != 2 or not all(x >= 0 for x in guard_costs)):
             raise ValueError(f"guard_costs must be two numbers >= 0 (c, slope), got {guard_costs!r}")
+        if quantize_draft not in (None, True, False, *QUANTIZATIONS):
+            raise ValueError(f"quantize_draft must be one of {', '.join(QUANTIZATIONS)}, True, False or None, "
+                             f"got {quantize_draft!r}")
         if draft_vocab_limit not in (None, "auto") and (
                 not isinstance(draft_vocab_limit, int) or draft_vocab_limit < 1):
             raise ValueError(f"draft_vocab_limit must be a positive integer, 'auto' or None, got {draft_vocab_limit!r}")
@@ -275,22 +283,27 @@ class SpeculativeDecoder:
         costs = measure_costs(self.target.backend, self.draft.backend, context, [gamma + 1], repeats=3)
         return costs["c"], max(costs["r"][gamma + 1] - 1, 0.0) / gamma
 
-    def _load(self, spec, tokenizer, progress, vocab_limit=None, quantize: bool | None = False) -> _Loaded:
-        """quantize: True, False, or None for the default (int8 for causal models loaded here)."""
-        if isinstance(spec, torch.nn.Module):
+    def _load(self, spec, tokenizer, progress, vocab_limit=None, quantization: bool | str | None = False) -> _Loaded:
+        """quantization: as SpeculativeDecoder's quantize_draft (False for a target)."""
+        given = isinstance(spec, torch.nn.Module)
+        asked = quantization not in (None, False, "none")
+        if quantization is True or (quantization is None and not given):
+            quantization = DEFAULT_DRAFT_QUANTIZATION
+        bits = QUANTIZATIONS[quantization] if quantization else None
+        if given:
             if tokenizer is None:
                 raise ValueError("a target given as a loaded model needs tokenizer=")
             seq2seq = getattr(spec.config, "is_encoder_decoder", False)
-            model, tok, name = (copy.deepcopy(spec) if quantize and not seq2seq else spec), tokenizer, type(spec).__name__
+            model, tok, name = (copy.deepcopy(spec) if bits and not seq2seq else spec), tokenizer, type(spec).__name__
         else:
             model, tok, name = load_model(spec, self.dtype, progress)
             seq2seq = getattr(model.config, "is_encoder_decoder", False)
-        if quantize is True and seq2seq:
-            raise ValueError("quantize_draft=True supports decoder-only drafts only")
-        if quantize is None:  # the default: models we loaded ourselves, decoder-only
-            quantize = not isinstance(spec, torch.nn.Module) and not seq2seq
-        if quantize:
-            quantize_int8(model)
+        if bits and seq2seq:
+            if asked:
+                raise ValueError("quantize_draft supports decoder-only drafts only")
+            bits = None
+        if bits:
+            prepare_draft(model, bits)
         return _Loaded(self._backend(model, vocab_limit), tok, name)
 
     @staticmethod

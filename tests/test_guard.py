@@ -32,6 +32,17 @@ def test_a_winning_draft_is_never_paused():
     assert guard.num_pauses == 0
 
 
+def test_a_winning_draft_with_uneven_steps_is_never_paused():
+    # c = 0.1: every step costs 1 + 8·0.01 + 8·0.1 = 1.88 target steps and emits 1 or 8 tokens,
+    # 0.42 steps per token on average. (An average of the per-step ratios, 1.88 and 0.235, would
+    # say 1.06 and pause: the cost per token is a ratio of sums.)
+    guard = SpeculationGuard(cost_coefficient=0.1, verify_slope=0.01)
+    decisions = []
+    for i in range(100):
+        decisions += steps(guard, 1, drafted=8, forwards=8, emitted=1 if i % 2 else 8)
+    assert all(decisions) and guard.num_pauses == 0
+
+
 def test_a_losing_draft_is_paused_and_probed_again():
     guard = SpeculationGuard(cost_coefficient=0.3, probe_every=16, warmup=4)
     decisions = steps(guard, 100, drafted=4, forwards=4, emitted=2)  # 2.2 / 2 = 1.1 > 1

@@ -1,4 +1,4 @@
-"""The int8 draft: close to the float layer it replaces, and the output stays the target's."""
+"""The int8 and int4 drafts: close to the float layers they replace, and the output stays the target's."""
 
 import copy
 
@@ -8,7 +8,7 @@ import torch
 from specdecode import SamplingParams
 from specdecode.decoding import DecodeConfig, run
 from specdecode.models import HFCausalLM
-from specdecode.models.quant import Int8Linear, quantize_int8
+from specdecode.models.quant import Int4Linear, Int8Linear, quantize
 from specdecode.proposers import DraftModelProposer
 from tests.test_transformers import PROMPT, VOCAB, greedy, tiny_llama
 
@@ -27,13 +27,50 @@ def test_int8_linear_is_close_to_the_float_layer(dtype):
     assert torch.equal(q.first_rows(10)(x), out[..., :10])
 
 
-def test_quantize_replaces_every_linear_and_keeps_greedy_output():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_linear_is_close_to_the_float_layer_and_to_its_own_dequantization(dtype):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(128, 96, bias=True).to(dtype)
+    x = torch.randn(3, 5, 128, dtype=dtype)
+    q = Int4Linear(layer.weight, layer.bias)
+    out = q(x)  # 15 rows: the int4 kernel
+    assert out.shape == (3, 5, 96) and out.dtype == dtype
+    ref = layer(x).float()
+    # 16 levels per group of 32: rounding error ≤ (max−min)/30 per weight, ~8% of the output scale
+    assert (out.float() - ref).abs().max() < 0.12 * ref.abs().max()
+    # the kernel and the plain-layout dequantization describe the same weights
+    exact = x.float() @ q.dequantize(torch.float32).t() + layer.bias.float()
+    assert (out.float() - exact).abs().max() < (0.02 if dtype == torch.bfloat16 else 1e-4) * exact.abs().max()
+    for n in (32, 40):  # a whole block of 16 rows, and a part of one
+        assert torch.allclose(q.first_rows(n)(x), out[..., :n], atol=1e-5 if dtype == torch.float32 else 0.05)
+
+
+def test_int4_codes_round_trip_and_bad_shapes_are_refused():
+    torch.manual_seed(2)
+    weight = torch.randn(48, 64)
+    q = Int4Linear(weight)
+    assert q.codes().shape == (48, 64) and int(q.codes().max()) <= 15
+    err = (q.dequantize(torch.float32) - weight).abs().view(48, 2, 32)
+    span = weight.view(48, 2, 32).amax(-1) - weight.view(48, 2, 32).amin(-1)
+    assert (err.amax(-1) <= span / 30 + 1e-5).all()  # half a step of each group
+    assert not Int4Linear.supports(torch.randn(40, 64)) and not Int4Linear.supports(torch.randn(48, 40))
+    with pytest.raises(ValueError, match="int4 needs"):
+        Int4Linear(torch.randn(40, 64))
+    with pytest.raises(ValueError, match="bits"):
+        quantize(torch.nn.Linear(4, 4), bits=3)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_replaces_every_linear_and_keeps_greedy_output(bits):
     target, draft = tiny_llama(0), tiny_llama(0)
     with torch.no_grad():
         for param in draft.parameters():
             param.add_(0.005 * torch.randn_like(param))
-    quantized = quantize_int8(copy.deepcopy(draft))
+    num_linear = sum(isinstance(m, torch.nn.Linear) for m in draft.modules())
+    quantized = quantize(copy.deepcopy(draft), bits)
     assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
+    kind = Int4Linear if bits == 4 else Int8Linear  # every tiny-Llama shape suits the int4 kernel
+    assert sum(isinstance(m, kind) for m in quantized.modules()) == num_linear
     plain = run(HFCausalLM(target), None, PROMPT, greedy(48))
     for limit in (None, 64):
         spec = run(HFCausalLM(target), DraftModelProposer(HFCausalLM(quantized, vocab_limit=limit)), PROMPT,
@@ -43,12 +80,13 @@ def test_quantize_replaces_every_linear_and_keeps_greedy_output():
     assert HFCausalLM(quantized, vocab_limit=64).vocab_size == 64 and HFCausalLM(quantized).vocab_size == VOCAB
 
 
-def test_many_rows_take_the_dequantized_gemm_and_agree_with_the_int8_kernel():
+@pytest.mark.parametrize("kind", [Int8Linear, Int4Linear])
+def test_many_rows_take_the_dequantized_gemm_and_agree_with_the_integer_kernel(kind):
     from specdecode.models import quant
 
     torch.manual_seed(1)
-    layer = Int8Linear(torch.randn(32, 24), torch.randn(32))
-    x = torch.randn(quant.DEQUANTIZE_ABOVE_ROWS + 4, 24)
+    layer = kind(torch.randn(32, 64), torch.randn(32))
+    x = torch.randn(quant.DEQUANTIZE_ABOVE_ROWS + 4, 64)
     many = layer(x)  # one call above the threshold
-    rows = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])  # the int8 kernel, row by row
+    rows = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])  # the integer kernel, row by row
     assert torch.allclose(many, rows, atol=1e-4)

@@ -318,6 +318,12 @@ def test_decoder_loads_seq2seq_paths_and_matches_generate(seq2seq_dirs, char_tok
     small = SpeculativeDecoder(seq2seq_dirs["target"], seq2seq_dirs["small"], dtype="float32", num_speculative_tokens=2)
     sampled = small.generate("abc", max_new_tokens=8, sampling=SamplingParams(seed=0), lenience=0.5)
     assert sampled.stats.lossy and len(sampled.token_ids) <= 8
+    # loaded by path, the default leaves an encoder–decoder draft as it is; asking for int8 raises
+    from specdecode.models.quant import QUANTIZED_LINEAR
+
+    assert not any(isinstance(m, QUANTIZED_LINEAR) for m in decoder.draft.backend.model.modules())
+    with pytest.raises(ValueError, match="decoder-only drafts only"):
+        SpeculativeDecoder(seq2seq_dirs["target"], seq2seq_dirs["draft"], dtype="float32", quantize_draft="int8")
 
 
 def test_encoder_decoder_and_decoder_only_models_do_not_mix(seq2seq_dirs):

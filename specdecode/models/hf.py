@@ -4,25 +4,25 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.models.quant import Int8Linear
+from specdecode.models.quant import QUANTIZED_LINEAR
 
 
 def limited_head(model, vocab_limit: int | None):
     """(a function hidden [..., H] → logits of the first vocab_limit ids, or None for the model's
-    own head; V). Works for float and Int8Linear heads.
+    own head; V). Works for float and int8/int4 heads.
 
     Raises:
         ValueError: vocab_limit on a model whose LM head is not a plain linear layer.
     """
     head = model.get_output_embeddings()
-    vocab_size = head.out_features  # nn.Linear and Int8Linear alike
+    vocab_size = head.out_features  # nn.Linear and the quantized layers alike
     if vocab_limit is None or vocab_limit >= vocab_size:
         return None, vocab_size
     scaled = any(getattr(model.config, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-    if not isinstance(head, (torch.nn.Linear, Int8Linear)) or head.bias is not None or scaled:
+    if not isinstance(head, (torch.nn.Linear, *QUANTIZED_LINEAR)) or head.bias is not None or scaled:
         raise ValueError(f"vocab_limit needs a plain linear LM head; {type(model).__name__} has another")
     # Views of the first rows: no copy, and the user's model is untouched.
-    if isinstance(head, Int8Linear):
+    if isinstance(head, QUANTIZED_LINEAR):
         return head.first_rows(vocab_limit), vocab_limit
     weight = head.weight[:vocab_limit]
     return (lambda hidden: torch.nn.functional.linear(hidden, weight)), vocab_limit
