@@ -14,7 +14,7 @@ from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.report import environment, fmt, markdown_table, write
 
 NEW_TOKENS = 128
-decoder = SpeculativeDecoder()  # int8 draft, draft vocab 32768, guard costs measured at load
+decoder = SpeculativeDecoder(quantize_draft="int8")  # draft vocab 32768, guard costs measured at load
 greedy = SamplingParams(temperature=0)
 eos = decoder.eos_token_ids
 target, draft = NoEOS(decoder.target.backend, eos), NoEOS(decoder.draft.backend, eos)
