@@ -386,7 +386,7 @@ def _bench(args, parser) -> int:
         decoder = _decoder(args, progress)
         hf_drafts = {}
         for label in args.hf_draft if decoder.draft is not None and schedules else ():
-            if label == "ours" or args.quantize_draft == "none":  # our draft object is the float one
+            if label == "ours" or args.quantize_draft == "none":  # ours, or ours is the float one
                 hf_drafts[label] = decoder.draft.backend.model
             else:
                 from specdecode.decoder import load_model

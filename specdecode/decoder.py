@@ -226,7 +226,7 @@ class SpeculativeDecoder:
         self.gamma_schedule = gamma_schedule
         if guard_costs is not None and (len(guard_costs) != 2 or not all(x >= 0 for x in guard_costs)):
             raise ValueError(f"guard_costs must be two numbers >= 0 (c, slope), got {guard_costs!r}")
-        if quantize_draft not in (None, True, False, *QUANTIZATIONS):
+        if not (quantize_draft is None or isinstance(quantize_draft, bool) or quantize_draft in QUANTIZATIONS):
             raise ValueError(f"quantize_draft must be one of {', '.join(QUANTIZATIONS)}, True, False or None, "
                              f"got {quantize_draft!r}")
         if draft_vocab_limit not in (None, "auto") and (

@@ -213,17 +213,22 @@ def test_quantize_draft_never_changes_the_users_model(model_dirs, char_tokenizer
     greedy = SamplingParams(temperature=0)
     plain = SpeculativeDecoder(target, None, tokenizer=char_tokenizer).generate("abcab", max_new_tokens=20,
                                                                                sampling=greedy)
-    kinds = {None: None, False: None, "none": None, True: Int8Linear, "int8": Int8Linear, "int4": Int4Linear}
+    from specdecode.decoder import DEFAULT_DRAFT_QUANTIZATION
+
+    kinds = {None: None, False: None, "none": None, "int8": Int8Linear, "int4": Int4Linear}
+    kinds[True] = kinds[DEFAULT_DRAFT_QUANTIZATION]
     for quantize, kind in kinds.items():
         decoder = SpeculativeDecoder(target, draft, tokenizer=char_tokenizer, quantize_draft=quantize)
         assert decoder.generate("abcab", max_new_tokens=20, sampling=greedy).token_ids == plain.token_ids
         assert isinstance(draft.lm_head, torch.nn.Linear)  # the user's object is untouched
         used = decoder.draft.backend.model
-        # (the char vocabulary's head has a shape the int4 kernel cannot take: it stays int8)
         assert (used is not draft and isinstance(used.model.layers[0].mlp.up_proj, kind)) if kind else used is draft
+        if kind is Int4Linear:  # the char vocabulary's head has a shape the int4 kernel cannot take
+            assert isinstance(used.lm_head, Int8Linear)
         assert used.config._attn_implementation == ("eager" if kind else draft.config._attn_implementation)
-    with pytest.raises(ValueError, match="quantize_draft must be one of int8, int4, none"):
-        SpeculativeDecoder(target, draft, tokenizer=char_tokenizer, quantize_draft="int3")
+    for bad in ("int3", 1):
+        with pytest.raises(ValueError, match="quantize_draft must be one of int8, int4, none"):
+            SpeculativeDecoder(target, draft, tokenizer=char_tokenizer, quantize_draft=bad)
 
 
 # --- batches (specdecode.batch through generate) --------------------------------------------------

@@ -27,7 +27,7 @@ def test_int8_linear_is_close_to_the_float_layer(dtype):
     assert torch.equal(q.first_rows(10)(x), out[..., :10])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_int4_linear_is_close_to_the_float_layer_and_to_its_own_dequantization(dtype):
     torch.manual_seed(0)
     layer = torch.nn.Linear(128, 96, bias=True).to(dtype)
@@ -40,9 +40,12 @@ def test_int4_linear_is_close_to_the_float_layer_and_to_its_own_dequantization(d
     assert (out.float() - ref).abs().max() < 0.12 * ref.abs().max()
     # the kernel and the plain-layout dequantization describe the same weights
     exact = x.float() @ q.dequantize(torch.float32).t() + layer.bias.float()
-    assert (out.float() - exact).abs().max() < (0.02 if dtype == torch.bfloat16 else 1e-4) * exact.abs().max()
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 0.02, torch.float16: 0.005}[dtype]
+    assert (out.float() - exact).abs().max() < tolerance * exact.abs().max()
     for n in (32, 40):  # a whole block of 16 rows, and a part of one
         assert torch.allclose(q.first_rows(n)(x), out[..., :n], atol=1e-5 if dtype == torch.float32 else 0.05)
+    last = x[:, -1:]  # a batch's last positions: strided rows, which the kernel itself refuses
+    assert torch.allclose(q(last), out[:, -1:], atol=1e-5 if dtype == torch.float32 else 0.05)
 
 
 def test_int4_codes_round_trip_and_bad_shapes_are_refused():
@@ -56,6 +59,8 @@ def test_int4_codes_round_trip_and_bad_shapes_are_refused():
     assert not Int4Linear.supports(torch.randn(40, 64)) and not Int4Linear.supports(torch.randn(48, 40))
     with pytest.raises(ValueError, match="int4 needs"):
         Int4Linear(torch.randn(40, 64))
+    with pytest.raises(ValueError, match="group_size"):
+        Int4Linear(torch.randn(48, 64), group_size=48)
     with pytest.raises(ValueError, match="bits"):
         quantize(torch.nn.Linear(4, 4), bits=3)
 
@@ -90,3 +95,20 @@ def test_many_rows_take_the_dequantized_gemm_and_agree_with_the_integer_kernel(k
     many = layer(x)  # one call above the threshold
     rows = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])  # the integer kernel, row by row
     assert torch.allclose(many, rows, atol=1e-4)
+
+
+def test_a_batch_with_an_int4_draft_equals_its_rows_alone():
+    from specdecode.batch import decode_batch
+    from specdecode.models import HFBatchedCausalLM
+
+    target, draft = tiny_llama(0), tiny_llama(0)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(0.005 * torch.randn_like(param))
+    quantize(draft, 4)
+    assert isinstance(draft.lm_head, Int4Linear)  # its logits rows are strided in a batch
+    prompts = [[5, 17, 33, 2], [9, 3], [60, 61, 62, 1, 2, 3]]
+    configs = [DecodeConfig(max_new_tokens=24, sampling=SamplingParams(temperature=0), num_speculative_tokens=4)] * 3
+    batch = decode_batch(HFBatchedCausalLM(target), HFBatchedCausalLM(draft), prompts, configs)
+    for prompt, got in zip(prompts, batch):
+        assert got.token_ids == run(HFCausalLM(target), None, prompt, greedy(24)).token_ids

@@ -21,7 +21,7 @@ class _QuantizedLinear(torch.nn.Module):
     bias: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+        flat = x.reshape(-1, x.shape[-1]).contiguous()  # the int4 kernel refuses strided rows
         if flat.shape[0] > DEQUANTIZE_ABOVE_ROWS:
             # The integer kernels are built for a few rows; for a prompt (hundreds of rows) they
             # are several times slower than a float GEMM, so dequantize once for this call.
@@ -77,18 +77,24 @@ class Int4Linear(_QuantizedLinear):
     nibble-packed in plain row order ([out, in/2] uint8) for dequantizing and slicing; the two
     copies together take the memory of the int8 weights.
 
+    Scales and zeros are stored in the weight's dtype (the kernel's requirement); in bfloat16 a
+    zero far from 0 carries a rounding error of up to |zero|/512, which the codes are chosen
+    around but cannot always absorb. The output stays exact either way: only q changes.
+
     Args:
         weight: [out, in] float tensor; out % 16 == 0 and in % group_size == 0 (`supports`).
         bias: [out] or None.  group_size: 32, 64, 128 or 256 inputs per scale and zero.
     Shapes: forward takes [..., in] (float32/bfloat16/float16) and returns [..., out] in x's dtype.
     Raises:
-        ValueError: a weight shape the kernel cannot take.
+        ValueError: a weight shape or group size the kernel cannot take.
     """
 
     GROUP_SIZES = (32, 64, 128, 256)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32):
         super().__init__()
+        if group_size not in self.GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {self.GROUP_SIZES}, got {group_size!r}")
         if not self.supports(weight, group_size):
             raise ValueError(f"int4 needs out % 16 == 0 and in % {group_size} == 0, got {tuple(weight.shape)}")
         out, inp = weight.shape
