@@ -11,7 +11,14 @@ import copy
 import dataclasses
 
 from specdecode import SamplingParams, SpeculativeDecoder
-from specdecode.bench import BASELINE, NoEOS, _hf_runner, _our_runner, run_configs, summarize
+from specdecode.bench import (
+    BASELINE,
+    NoEOS,
+    _hf_runner,
+    _our_runner,
+    run_configs,
+    summarize,
+)
 from specdecode.data import load_prompts
 from specdecode.models import HFCausalLM
 from specdecode.models.quant import prepare_draft

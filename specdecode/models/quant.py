@@ -52,7 +52,7 @@ class Int8Linear(_QuantizedLinear):
     def out_features(self) -> int:
         return self.weight_int8.shape[0]
 
-    def first_rows(self, n: int) -> "Int8Linear":
+    def first_rows(self, n: int) -> Int8Linear:
         """A view computing only outputs [0, n) (a vocabulary-limited LM head); no copy."""
         view = Int8Linear.__new__(Int8Linear)
         torch.nn.Module.__init__(view)
@@ -130,7 +130,7 @@ class Int4Linear(_QuantizedLinear):
         scale_zero = self.scale_zero.to(dtype).transpose(0, 1)  # [out, groups, 2]
         return (groups * scale_zero[..., :1] + scale_zero[..., 1:]).view(out, inp)
 
-    def first_rows(self, n: int) -> "Int4Linear | _Rows":
+    def first_rows(self, n: int) -> Int4Linear | _Rows:
         """A layer computing only outputs [0, n) (a vocabulary-limited LM head). Repacks those
         rows for the kernel (one copy of n rows, made once)."""
         rows = -(-n // 16) * 16  # the kernel takes whole blocks of 16 outputs
