@@ -11,7 +11,7 @@ import copy
 import dataclasses
 
 from specdecode import SamplingParams, SpeculativeDecoder
-from specdecode.bench import (
+from specdecode.measure.bench import (
     BASELINE,
     NoEOS,
     _hf_runner,
@@ -19,12 +19,12 @@ from specdecode.bench import (
     run_configs,
     summarize,
 )
-from specdecode.data import load_prompts
+from specdecode.measure.data import load_prompts
 from specdecode.models import HFCausalLM
 from specdecode.models.quant import prepare_draft
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
-from specdecode.report import environment, fmt, markdown_table, write
-from specdecode.timing import measure_costs
+from specdecode.measure.report import environment, fmt, markdown_table, write
+from specdecode.measure.timing import measure_costs
 
 NEW_TOKENS = 128
 decoder = SpeculativeDecoder(quantize_draft="none", guard=False)  # float draft; quantized copies below

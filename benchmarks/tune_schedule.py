@@ -8,10 +8,10 @@ process, on HumanEval prompts 20-24 (held out from the 20 prompts of docs/bench_
 import dataclasses
 
 from specdecode import SamplingParams, SpeculativeDecoder
-from specdecode.bench import BASELINE, NoEOS, _hf_runner, _our_runner, run_configs, summarize
-from specdecode.data import load_prompts
+from specdecode.measure.bench import BASELINE, NoEOS, _hf_runner, _our_runner, run_configs, summarize
+from specdecode.measure.data import load_prompts
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
-from specdecode.report import environment, fmt, markdown_table, write
+from specdecode.measure.report import environment, fmt, markdown_table, write
 
 NEW_TOKENS = 128
 decoder = SpeculativeDecoder(quantize_draft="int8")  # draft vocab 32768, guard costs measured at load

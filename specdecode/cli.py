@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from specdecode import zoo
+from specdecode.models import zoo
 from specdecode.decoder import (
     DEFAULT_DRAFT_CONFIDENCE,
     DEFAULT_DRAFT_QUANTIZATION,
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_task_flags(parser, default_tasks: list[str], default_prompts: int) -> None:
-    from specdecode.data import TASKS
+    from specdecode.measure.data import TASKS
 
     parser.add_argument("--tasks", nargs="+", default=default_tasks, choices=TASKS, metavar="TASK",
                         help="'code' = HumanEval; the others are Spec-Bench categories (translation and "
@@ -329,7 +329,7 @@ def _require_bench_extras(parser, tasks: list[str]) -> None:
 
 
 def _alpha(args, parser) -> int:
-    from specdecode.alpha import alpha_report
+    from specdecode.measure.alpha import alpha_report
 
     _check_model_flags(args, parser)
     if args.quick:
@@ -357,7 +357,7 @@ def _alpha(args, parser) -> int:
 
 def _bench(args, parser) -> int:
     from specdecode import SamplingParams
-    from specdecode.bench import bench_report
+    from specdecode.measure.bench import bench_report
 
     _check_model_flags(args, parser)
     if args.quick:

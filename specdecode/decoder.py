@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from specdecode import zoo
+from specdecode.models import zoo
 from specdecode.batch import decode_batch
 from specdecode.decoding import DecodeConfig, GenerationResult, TokenEvent, decode
 from specdecode.models import HFBatchedCausalLM, HFCausalLM, Seq2SeqLM
@@ -20,7 +20,7 @@ from specdecode.models.hf_batch import supports_batching
 from specdecode.models.quant import prepare_draft
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
-from specdecode.timing import measure_costs
+from specdecode.measure.timing import measure_costs
 
 # Defaults, exact, chosen on HumanEval: prompt lookup first; otherwise the draft, with int4
 # weights and eager attention, scoring only the first 32768 ids, drafts up to 8 tokens, stopping
@@ -196,7 +196,7 @@ class SpeculativeDecoder:
             fully accepted block and drops 1 otherwise, within [1, γ] (transformers' "heuristic"
             schedule). Exact either way (the choice looks only at the past).
         guard: pause drafting while the request's acceptances say it does not pay (Cor. 3.9's
-            α > c checked at run time, specdecode.guard), probing again every 16 steps. Exact
+            α > c checked at run time, specdecode.engine.guard), probing again every 16 steps. Exact
             either way. Seeded sampled requests are not guarded, so that a seed gives the same
             output alone, in a batch and in another process. Default True.
         guard_costs: (c, slope) for the guard: c = a draft forward's time over a target step's,

@@ -14,9 +14,9 @@ from typing import Iterator
 
 import torch
 
-from specdecode.guard import SpeculationGuard
+from specdecode.engine.guard import SpeculationGuard
 from specdecode.sampling import SamplingParams, adjust, make_generator, sample
-from specdecode.text import IncrementalDetokenizer, StopStrings
+from specdecode.engine.text import IncrementalDetokenizer, StopStrings
 from specdecode.verify import greedy_lenient_step, speculative_step
 
 # Where each emitted token came from (the colours of the paper's Figure 1).
@@ -118,7 +118,7 @@ class DecodeConfig:
     stop: tuple[str, ...] = ()
     lenience: float = 1.0  # 1 is exact; l < 1 is the lossy rule of paper A.5 (stats.lossy)
     # (c, verify slope) in target calls: pause drafting while it does not pay
-    # (specdecode.guard, Cor. 3.9); None speculates on every step.
+    # (specdecode.engine.guard, Cor. 3.9); None speculates on every step.
     costs: tuple[float, float] | None = None
     # γ per step: "fixed" drafts up to num_speculative_tokens every step; "adaptive" starts at
     # min(4, γ_max), adds 2 after a block whose planned drafts were all accepted and drops 1

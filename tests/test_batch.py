@@ -216,10 +216,10 @@ def test_sliding_window_models_are_refused_by_the_batched_backend():
         HFBatchedCausalLM(MistralForCausalLM(config))
 
 
-# --- throughput (specdecode.batch_bench) ---------------------------------------------------------
+# --- throughput (specdecode.measure.batch_bench) ---------------------------------------------------------
 
 def test_batch_throughput_reports_sane_rows_for_tables_and_tiny_llamas(llama_pair):
-    from specdecode.batch_bench import batch_throughput
+    from specdecode.measure.batch_bench import batch_throughput
 
     target, draft = table_pair_close()
     for target_backend, draft_backend, prompts in ((target, draft, PROMPTS),
@@ -241,7 +241,7 @@ def test_batch_throughput_reports_sane_rows_for_tables_and_tiny_llamas(llama_pai
 @pytest.mark.parametrize("kwargs,match", [(dict(batch_sizes=[0]), "batch_sizes"), (dict(prompt_ids=[[]]), "prompt_ids"),
                                           (dict(gamma=0), "gamma")])
 def test_batch_throughput_rejects_bad_arguments(kwargs, match):
-    from specdecode.batch_bench import batch_throughput
+    from specdecode.measure.batch_bench import batch_throughput
 
     args = dict(target_backend=TableModel(4), draft_backend=None, prompt_ids=[[1]], batch_sizes=[1],
                 new_tokens=2, gamma=2, sampling=GREEDY) | kwargs

@@ -7,7 +7,7 @@ import pytest
 
 from specdecode import SamplingParams
 from specdecode.decoding import DecodeConfig, run
-from specdecode.guard import SpeculationGuard
+from specdecode.engine.guard import SpeculationGuard
 from specdecode.models import TableModel
 from specdecode.proposers import DraftModelProposer
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdecode import SamplingParams
-from specdecode.alpha import RecordingBackend, bootstrap_ratio, measure_task, summarize
+from specdecode.measure.alpha import RecordingBackend, bootstrap_ratio, measure_task, summarize
 from specdecode.analysis import acceptance_rate
 from specdecode.cli import main
 from specdecode.decoding import DecodeConfig, run
@@ -143,7 +143,7 @@ def test_bench_lenience_and_batch_rows(pair_dirs, tmp_path):
 
 
 def test_lenient_alpha_is_the_papers_formula_and_grows_as_l_falls():
-    from specdecode.alpha import lenient_beta
+    from specdecode.measure.alpha import lenient_beta
 
     p = torch.tensor([[0.1, 0.6, 0.3]])
     q = torch.tensor([[0.5, 0.3, 0.2]])
@@ -161,7 +161,7 @@ def test_lenient_alpha_is_the_papers_formula_and_grows_as_l_falls():
 
 
 def test_bench_masks_eos_on_our_side_as_transformers_min_new_tokens_does():
-    from specdecode.bench import NoEOS
+    from specdecode.measure.bench import NoEOS
 
     target = TableModel(6, seed=0)
     masked = NoEOS(target, {2, 9})
@@ -171,7 +171,7 @@ def test_bench_masks_eos_on_our_side_as_transformers_min_new_tokens_does():
 
 
 def test_report_paths_may_contain_dots(tmp_path):
-    from specdecode.report import write
+    from specdecode.measure.report import write
 
     json_path, md_path = write(tmp_path / "t0.5", "title", {"command": "x", "a": 1}, ["body"], {"rows": []})
     assert json_path.name == "t0.5.json" and md_path.name == "t0.5.md" and "body" in md_path.read_text()

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from specdecode import SamplingParams, SpeculativeDecoder
-from specdecode.data import humaneval_prompts
+from specdecode.measure.data import humaneval_prompts
 
 pytestmark = pytest.mark.real_model
 

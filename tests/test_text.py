@@ -2,7 +2,7 @@
 
 import pytest
 
-from specdecode.text import IncrementalDetokenizer, StopStrings
+from specdecode.engine.text import IncrementalDetokenizer, StopStrings
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from specdecode import zoo
+from specdecode.models import zoo
 
 
 @pytest.fixture

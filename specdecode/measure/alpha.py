@@ -222,9 +222,9 @@ def alpha_report(decoder, tasks: list[str], prompts_per_task: int, temperatures:
     Returns:
         {"meta", "results": [{"task", "temperature", **summarize(...)}]}.
     """
-    from specdecode.data import load_prompts
-    from specdecode.plots import plot_alpha
-    from specdecode.report import environment, fmt, markdown_table, write
+    from specdecode.measure.data import load_prompts
+    from specdecode.measure.plots import plot_alpha
+    from specdecode.measure.report import environment, fmt, markdown_table, write
 
     if decoder.is_encoder_decoder:
         raise ValueError("specdecode alpha measures decoder-only pairs; encoder-decoder pairs are not supported yet")

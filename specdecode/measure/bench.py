@@ -27,11 +27,11 @@ from typing import Callable
 import torch
 
 from specdecode.analysis import expected_tokens, optimal_gamma, walltime_improvement
-from specdecode.batch_bench import batch_throughput
+from specdecode.measure.batch_bench import batch_throughput
 from specdecode.decoding import DecodeConfig, run
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
-from specdecode.timing import measure_costs
+from specdecode.measure.timing import measure_costs
 
 BASELINE = "transformers generate, target alone"
 LENIENCE_GAMMA = 4
@@ -267,14 +267,14 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
     """Run the benchmark and write OUT.{json,md} and OUT_*.png. Raises ValueError for an
     encoder–decoder pair (not supported yet). Returns {"meta", "costs", "rows",
     "theory", "batch"}. batch_sizes: also time batched plain and speculative decoding (draft model,
-    γ = BATCH_GAMMA) at these batch sizes (specdecode.batch_bench)."""
-    from specdecode.data import load_prompts
-    from specdecode.plots import (
+    γ = BATCH_GAMMA) at these batch sizes (specdecode.measure.batch_bench)."""
+    from specdecode.measure.data import load_prompts
+    from specdecode.measure.plots import (
         plot_expected_tokens,
         plot_optimal_gamma,
         plot_speedup_vs_gamma,
     )
-    from specdecode.report import environment, fmt, markdown_table, write
+    from specdecode.measure.report import environment, fmt, markdown_table, write
 
     if decoder.is_encoder_decoder:
         raise ValueError("specdecode bench measures decoder-only pairs; encoder-decoder pairs are not supported yet")

