@@ -1,7 +1,8 @@
 """specdecode: exact speculative decoding (Leviathan, Kalman, Matias, ICML 2023, arXiv 2211.17192)."""
 
-from specdecode.decoder import GenerationStream, SpeculativeDecoder
-from specdecode.decoding import GenerationResult, GenerationStats, TokenEvent
+from specdecode.api import GenerationStream, SpeculativeDecoder
+from specdecode.engine.request import GenerationResult, TokenEvent
+from specdecode.engine.stats import GenerationStats
 from specdecode.sampling import SamplingParams
 
 __all__ = ["SpeculativeDecoder", "SamplingParams", "GenerationResult", "GenerationStats",

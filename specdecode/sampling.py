@@ -96,9 +96,10 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A per-request CPU generator (DESIGN.md rule 7); a None seed draws a fresh one."""
-    generator = torch.Generator()
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A per-request generator on the device its tensors live on (DESIGN.md rule 7); a None seed
+    draws a fresh one."""
+    generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()
     else:

@@ -7,7 +7,8 @@ from collections import Counter
 import pytest
 import torch
 
-from specdecode.decoding import DecodeConfig, run
+from specdecode.engine.driver import run
+from specdecode.engine.request import DecodeConfig
 from specdecode.models import TableModel
 from specdecode.proposers import Draft, DraftModelProposer, NGramModel, NGramProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams, adjust

@@ -6,7 +6,8 @@ import random
 import pytest
 
 from specdecode import SamplingParams
-from specdecode.decoding import DecodeConfig, run
+from specdecode.engine.driver import run
+from specdecode.engine.request import DecodeConfig
 from specdecode.engine.guard import SpeculationGuard
 from specdecode.models import TableModel
 from specdecode.proposers import DraftModelProposer

@@ -10,7 +10,8 @@ from specdecode import SamplingParams
 from specdecode.measure.alpha import RecordingBackend, bootstrap_ratio, measure_task, summarize
 from specdecode.analysis import acceptance_rate
 from specdecode.cli import main
-from specdecode.decoding import DecodeConfig, run
+from specdecode.engine.driver import run
+from specdecode.engine.request import DecodeConfig
 from specdecode.models import TableModel
 from specdecode.proposers import DraftModelProposer
 from specdecode.sampling import adjust

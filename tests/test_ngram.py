@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from specdecode import SamplingParams
-from specdecode.decoding import DecodeConfig, run
+from specdecode.engine.driver import run
+from specdecode.engine.request import DecodeConfig
 from specdecode.models import TableModel
 from specdecode.proposers import NGramModel, NGramProposer
 

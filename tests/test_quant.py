@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specdecode import SamplingParams
-from specdecode.decoding import DecodeConfig, run
+from specdecode.engine.driver import run
+from specdecode.engine.request import DecodeConfig
 from specdecode.models import HFCausalLM
 from specdecode.models.quant import Int4Linear, Int8Linear, quantize
 from specdecode.proposers import DraftModelProposer

@@ -10,7 +10,8 @@ import torch
 from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
 from specdecode import SamplingParams, SpeculativeDecoder
-from specdecode.decoding import DecodeConfig, decode, run
+from specdecode.engine.driver import run
+from specdecode.engine.request import DecodeConfig
 from specdecode.models import Seq2SeqLM
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import adjust

@@ -6,7 +6,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdecode import SamplingParams
-from specdecode.decoding import DecodeConfig, run
+from specdecode.engine.driver import run
+from specdecode.engine.request import DecodeConfig
 from specdecode.models import HFCausalLM
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 

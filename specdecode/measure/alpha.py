@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from specdecode.analysis import acceptance_rate, expected_tokens
-from specdecode.decoding import DecodeConfig, run
+from specdecode.engine.driver import run
+from specdecode.engine.request import DecodeConfig
 from specdecode.proposers import DraftModelProposer, NGramModel, PromptLookupProposer
 from specdecode.sampling import SamplingParams, adjust
 from specdecode.verify import match_vocab

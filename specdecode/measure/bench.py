@@ -28,7 +28,8 @@ import torch
 
 from specdecode.analysis import expected_tokens, optimal_gamma, walltime_improvement
 from specdecode.measure.batch_bench import batch_throughput
-from specdecode.decoding import DecodeConfig, run
+from specdecode.engine.driver import run
+from specdecode.engine.request import DecodeConfig
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 from specdecode.measure.timing import measure_costs

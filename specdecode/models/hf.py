@@ -1,10 +1,36 @@
-"""A transformers causal LM that owns its KV cache (one sequence)."""
+"""A transformers decoder-only LM over B rows at once, each with its own length (ragged batches).
+
+This is the engine's one causal backend: a single prompt is a batch of one row.
+
+Layout. The KV cache has S *slots* per row, shared by all rows: every forward appends the same
+number T of slots to every row. Row b's new tokens are right-aligned in its T slots; the slots
+before them are padding. A boolean map `valid` [B, S] says which slots hold a committed or
+in-flight token of that row; rolling a row back (rejected drafts) clears its last valid slots
+instead of cropping, since the other rows keep theirs. Invalid slots are never attended: each
+forward gets an explicit 4D mask (query sees key j iff j is a valid slot of its row at or
+before it). Each row's position ids count only its valid tokens, so RoPE sees exactly the
+positions the row would have alone. Slots invalid in every row at the end are cropped, and when
+dead slots outnumber the live ones the cache is compacted (each row's valid slots gathered,
+right-aligned), so attention cost tracks the committed length, not the rejected drafts.
+
+When every slot is valid (always so for one row: its rollbacks crop), no mask is passed and the
+model takes its ordinary causal path, which is what plain decoding with transformers runs.
+
+Padding queries attend to themselves only: a query with no visible key would make SDPA return
+NaN, and a NaN value vector poisons every query that multiplies it, even with weight 0.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from specdecode.models.quant import QUANTIZED_LINEAR
+
+# Compact once dead slots exceed both this many slots and the longest row's length: compaction
+# copies the whole cache, so it should happen rarely, while dead slots must not dominate the
+# attention cost.
+COMPACT_MIN_DEAD = 64
+COMPACT_RATIO = 1.0
 
 
 def limited_head(model, vocab_limit: int | None):
@@ -28,63 +54,197 @@ def limited_head(model, vocab_limit: int | None):
     return (lambda hidden: torch.nn.functional.linear(hidden, weight)), vocab_limit
 
 
+def has_sliding_window(model) -> bool:
+    """Sliding-window attention counts its window in slots, so such a model gets one row at a time."""
+    config = model.config
+    if getattr(config, "sliding_window", None):
+        return True
+    return any("sliding" in str(t) for t in (getattr(config, "layer_types", None) or ()))
+
+
 class HFCausalLM:
-    """Wraps a transformers `PreTrainedModel` (decoder-only) with a DynamicCache and exact rollback.
+    """Wraps a transformers decoder-only `PreTrainedModel` for B ragged rows (see module doc).
 
     Args:
-        model: a loaded causal LM; it is put in eval mode, never otherwise modified.
+        model: a loaded causal LM; put in eval mode, never otherwise modified.
         vocab_limit: score only token ids below this (for a draft model: the LM head of a small
             model is a large share of its cost). BPE vocabularies put frequent tokens first, so
             a draft that never proposes rare ids loses little acceptance; its q is zero there,
             and the verifier stays exact (DESIGN.md rule 6). None scores the whole vocabulary.
+        compact_min_dead, compact_ratio: compact the cache once its dead slots (S − longest row)
+            exceed compact_min_dead and compact_ratio × the longest row; 0, 0 compacts whenever
+            any slot is dead (for tests).
     Attributes:
-        vocab_size: V, the width of the logits (the embedding table's size, which may exceed
-            the tokenizer's length: rule 6), or vocab_limit.
-        max_length: the model's context window (max_position_embeddings), or None.
+        vocab_size: V, the width of the logits (the LM head's rows, which may exceed the
+            tokenizer's length: rule 6), or vocab_limit.
+        num_embeddings: ids below this can be fed; the engine feeds a placeholder for others.
+        max_length: the context window in tokens per row (max_position_embeddings), or None.
+        max_rows: 1 for sliding-window models, else None (no limit).
+        device: where the model's parameters are; every tensor it makes goes there.
     Raises:
         ValueError: vocab_limit on a model whose LM head is not a plain linear layer.
     """
 
-    def __init__(self, model, vocab_limit: int | None = None):
+    def __init__(self, model, vocab_limit: int | None = None, compact_min_dead: int = COMPACT_MIN_DEAD,
+                 compact_ratio: float = COMPACT_RATIO):
         from transformers import DynamicCache
 
         self.model = model.eval()
         self._cache_class = DynamicCache
         self._head, self.vocab_size = limited_head(model, vocab_limit)
+        self.num_embeddings = model.get_input_embeddings().num_embeddings
         self.max_length = getattr(model.config, "max_position_embeddings", None)
+        self.sliding = has_sliding_window(model)
+        self.max_rows = 1 if self.sliding else None
+        self.device = next(model.parameters()).device
+        self.compact_min_dead, self.compact_ratio = compact_min_dead, compact_ratio
         self.reset()
 
-    @property
-    def length(self) -> int:
-        return self._length
-
     def reset(self) -> None:
+        """Drop every row."""
         self.cache = self._cache_class(config=self.model.config)
         # Sliding-window layers drop states past the window unless told to keep them, and then a
         # rollback past the window would be impossible.
         for layer in getattr(self.cache, "layers", []):
             if hasattr(layer, "activate_past_recording"):
                 layer.activate_past_recording()
-        self._length = 0
+        self.valid = torch.zeros((0, 0), dtype=torch.bool, device=self.device)
+        self._lengths = torch.zeros(0, dtype=torch.long, device=self.device)
+
+    @property
+    def num_rows(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens held per row."""
+        return self._lengths.tolist()
+
+    @property
+    def num_slots(self) -> int:
+        return self.valid.shape[1]
+
+    def add_row(self, encoder_input_ids=None) -> None:
+        """Append an empty row (a request joins the batch).
+
+        Raises:
+            ValueError: encoder_input_ids given (this is a decoder-only model), or a second row
+                on a sliding-window model.
+        """
+        if encoder_input_ids is not None:
+            raise ValueError("a decoder-only model takes no encoder input")
+        if self.max_rows is not None and self.num_rows >= self.max_rows:
+            raise ValueError(f"{type(self.model).__name__} uses sliding-window attention: one row at a time")
+        if self.num_rows == 0:
+            self.reset()
+        self.valid = torch.cat([self.valid, torch.zeros((1, self.num_slots), dtype=torch.bool, device=self.device)])
+        self._lengths = torch.cat([self._lengths, self._lengths.new_zeros(1)])
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            for name in ("keys", "values"):
+                states = getattr(layer, name)
+                setattr(layer, name, torch.cat([states, states.new_zeros((1, *states.shape[1:]))]))
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, num_logits: int) -> torch.Tensor:
-        """Append tokens [T] int64; return the next-token logits after each of the last
-        `num_logits` of them, [num_logits, V] float32 (the LM head runs only there)."""
-        if self._head is not None:
-            hidden = self.model.get_decoder()(input_ids=tokens.view(1, -1), cache=self.cache,
-                                              use_cache=True).last_hidden_state
-            self._length += tokens.numel()
-            return self._head(hidden[0, -num_logits:]).float()
-        out = self.model(input_ids=tokens.view(1, -1), cache=self.cache, use_cache=True,
-                         logits_to_keep=num_logits)
-        self._length += tokens.numel()
-        return out.logits[0].float()
+    def forward(self, feeds: list[list[int]], num_logits: int) -> torch.Tensor:
+        """Append feeds[b] (possibly empty) to row b; return the next-token logits after each of
+        the last `num_logits` slots, [B, num_logits, V] float32. Entries of a row that fall on its
+        padding (fewer than num_logits new tokens) are meaningless.
 
-    def truncate(self, length: int) -> None:
-        """Drop every cache entry past `length` tokens (rejected drafts)."""
-        if length <= self._length:
+        Raises:
+            ValueError: len(feeds) differs from the number of rows, or every feed is empty.
+        """
+        batch, width = len(feeds), max((len(f) for f in feeds), default=0)
+        if batch != self.num_rows or width == 0:
+            raise ValueError(f"need {self.num_rows} feeds, not all empty; got lengths {[len(f) for f in feeds]}")
+        if all(len(f) == width for f in feeds):
+            tokens = torch.tensor(feeds, dtype=torch.long, device=self.device)
+            new_valid = torch.ones((batch, width), dtype=torch.bool, device=self.device)
+        else:
+            tokens = torch.zeros((batch, width), dtype=torch.long, device=self.device)
+            new_valid = torch.zeros((batch, width), dtype=torch.bool, device=self.device)
+            for b, feed in enumerate(feeds):
+                if feed:
+                    tokens[b, width - len(feed):] = torch.tensor(feed, dtype=torch.long, device=self.device)
+                    new_valid[b, width - len(feed):] = True
+        positions = (self._lengths[:, None] + new_valid.long().cumsum(1) - 1).clamp(min=0)
+        valid = torch.cat([self.valid, new_valid], dim=1)
+        # Dense rows (one row always is) need no mask: the model's own causal path.
+        mask = None if bool(valid.all()) else self._mask(valid, width)
+        if self._head is not None:
+            hidden = self.model.get_decoder()(input_ids=tokens, attention_mask=mask, position_ids=positions,
+                                              cache=self.cache, use_cache=True).last_hidden_state
+            logits = self._head(hidden[:, -num_logits:])
+        else:
+            logits = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
+                                use_cache=True, logits_to_keep=num_logits).logits
+        self.valid = valid
+        self._lengths = self._lengths + new_valid.sum(1)
+        return logits.float()
+
+    def _mask(self, valid: torch.Tensor, width: int) -> torch.Tensor:
+        """[B, 1, T, S] additive float mask: 0 where the query may look, dtype-min elsewhere."""
+        slots = valid.shape[1]
+        key = torch.arange(slots, device=self.device)
+        query = torch.arange(slots - width, slots, device=self.device)
+        causal = key[None, :] <= query[:, None]                      # [T, S]
+        allowed = valid[:, None, :] & causal[None]                   # [B, T, S]
+        allowed |= (key[None, :] == query[:, None])[None]            # padding queries see themselves
+        dtype = self.model.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        return mask[:, None]
+
+    @torch.inference_mode()
+    def truncate(self, lengths: list[int]) -> None:
+        """Keep only the first lengths[b] tokens of row b (rejected drafts leave).
+
+        Raises:
+            ValueError: a length beyond what the row holds.
+        """
+        new = torch.as_tensor(lengths, dtype=torch.long, device=self.device)
+        if new.shape != self._lengths.shape or bool((new > self._lengths).any()) or bool((new < 0).any()):
+            raise ValueError(f"cannot truncate rows holding {self.lengths} tokens to {list(lengths)}")
+        self.valid = self.valid & (self.valid.long().cumsum(1) <= new[:, None])
+        self._lengths = new
+        self._reclaim()
+
+    @torch.inference_mode()
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order (finished requests leave the batch)."""
+        if not rows:
+            self.reset()
+            return
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        if self.num_slots:
+            self.cache.batch_select_indices(index)
+        self.valid, self._lengths = self.valid[index], self._lengths[index]
+        self._reclaim()
+
+    def _reclaim(self) -> None:
+        live = self.valid.any(0).nonzero()
+        end = int(live.max()) + 1 if len(live) else 0
+        if end < self.num_slots or (self.sliding and self.num_slots):
             # transformers 5 takes a negative count to drop; crop(0) still trims the recorded
             # states of sliding-window layers back to their window.
-            self.cache.crop(length - self._length)
-            self._length = length
+            self.cache.crop(end - self.num_slots)
+            self.valid = self.valid[:, :end]
+        longest = int(self._lengths.max()) if len(self._lengths) else 0
+        dead = self.num_slots - longest
+        if dead > self.compact_min_dead and dead > self.compact_ratio * longest:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Gather each row's valid slots, right-aligned, to max(lengths) slots. Keys keep their
+        rotary positions, so nothing is recomputed."""
+        width = int(self._lengths.max())
+        # A stable sort of the 0/1 map puts invalid slots first and valid ones after, in order.
+        order = torch.sort(self.valid.to(torch.uint8), dim=1, stable=True).indices[:, self.num_slots - width:]
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            for name in ("keys", "values"):
+                states = getattr(layer, name)
+                index = order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
+                setattr(layer, name, states.gather(2, index))
+        self.valid = self.valid.gather(1, order)

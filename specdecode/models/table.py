@@ -1,6 +1,8 @@
 """A model defined by a table: next-token logits are a pure function of the last `order` tokens.
 
-For tests: exact distributions are known, so sequence probabilities can be enumerated.
+For tests: exact distributions are known, so sequence probabilities can be enumerated. It has the
+engine's backend interface (rows that join and leave, per-row rollback), and its logits are
+exactly the table's whatever the batch, so batched and single runs compare token for token.
 """
 
 from __future__ import annotations
@@ -16,60 +18,46 @@ class TableModel:
         seed: builds the table; two models with different seeds disagree.
         sharpness: scale of the random logits (larger → peakier distributions).
         max_length: context window, None for unbounded.
+    Attributes:
+        num_forward_calls: forwards so far (for tests that count calls).
     """
+
+    max_rows = None
+    device = torch.device("cpu")
 
     def __init__(self, vocab_size: int, order: int = 2, seed: int = 0, sharpness: float = 2.0,
                  max_length: int | None = None):
         generator = torch.Generator().manual_seed(seed)
-        self.vocab_size = vocab_size
+        self.vocab_size = self.num_embeddings = vocab_size
         self.order = order
         self.max_length = max_length
         self.table = sharpness * torch.randn((vocab_size,) * order + (vocab_size,), generator=generator)
-        self.tokens: list[int] = []
+        self.rows: list[list[int]] = []
         self.num_forward_calls = 0
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
 
     def logits_for(self, prefix: list[int] | tuple[int, ...]) -> torch.Tensor:
         """[V] float32 logits after `prefix` (left-padded with token 0 when shorter than order)."""
         context = ([0] * self.order + list(prefix))[-self.order:]
         return self.table[tuple(context)]
 
-    def forward(self, tokens: torch.Tensor, num_logits: int) -> torch.Tensor:
-        self.num_forward_calls += 1
-        self.tokens.extend(tokens.tolist())
-        end = len(self.tokens)
-        return torch.stack([self.logits_for(self.tokens[:i]) for i in range(end - num_logits + 1, end + 1)])
-
-    def truncate(self, length: int) -> None:
-        del self.tokens[length:]
-
-    def reset(self) -> None:
-        self.tokens = []
-
-
-class BatchedTableModel:
-    """B rows over one TableModel, with the batched backend interface of HFBatchedCausalLM
-    (forward(feeds, num_logits) → [B, num_logits, V]; truncate(lengths); select(rows)). Logits
-    are exactly the table's, so batched and single runs can be compared token for token."""
-
-    def __init__(self, model: TableModel):
-        self.model = model
-        self.vocab_size = model.vocab_size
-        self.max_length = model.max_length
-        self.num_forward_calls = 0
-        self.start(1)
-
-    def start(self, batch_size: int) -> None:
-        self.rows: list[list[int]] = [[] for _ in range(batch_size)]
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
 
     @property
-    def lengths(self) -> torch.Tensor:
-        return torch.tensor([len(row) for row in self.rows], dtype=torch.long)
+    def lengths(self) -> list[int]:
+        return [len(row) for row in self.rows]
+
+    def reset(self) -> None:
+        self.rows = []
+
+    def add_row(self, encoder_input_ids=None) -> None:
+        if encoder_input_ids is not None:
+            raise ValueError("a table model takes no encoder input")
+        self.rows.append([])
 
     def forward(self, feeds: list[list[int]], num_logits: int) -> torch.Tensor:
+        """Append feeds[b] to row b; [B, num_logits, V]: row b's logits right-aligned, 0 elsewhere."""
         if len(feeds) != len(self.rows) or not any(len(f) for f in feeds):
             raise ValueError(f"need {len(self.rows)} feeds, not all empty; got lengths {[len(f) for f in feeds]}")
         self.num_forward_calls += 1
@@ -77,16 +65,15 @@ class BatchedTableModel:
         for b, feed in enumerate(feeds):
             row = self.rows[b]
             row.extend(int(t) for t in feed)
-            # logits exist only after this row's new tokens; padding entries stay 0
             m = min(num_logits, len(feed))
             for j in range(m):
-                out[b, num_logits - m + j] = self.model.logits_for(row[:len(row) - m + j + 1])
+                out[b, num_logits - m + j] = self.logits_for(row[:len(row) - m + j + 1])
         return out
 
     def truncate(self, lengths: list[int]) -> None:
+        if len(lengths) != len(self.rows) or any(not 0 <= n <= len(r) for r, n in zip(self.rows, lengths)):
+            raise ValueError(f"cannot truncate rows holding {self.lengths} tokens to {list(lengths)}")
         for row, length in zip(self.rows, lengths):
-            if length > len(row):
-                raise ValueError(f"cannot truncate a row of {len(row)} tokens to {length}")
             del row[length:]
 
     def select(self, rows: list[int]) -> None:

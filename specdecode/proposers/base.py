@@ -1,9 +1,13 @@
-"""The proposer protocol: where drafts come from does not matter to the loop (STYLE.md habit 5)."""
+"""The proposer protocol: where drafts come from does not matter to the engine (STYLE.md habit 5).
+
+A proposer serves every running row at once. Its rows follow the engine's: `add_row` appends one,
+`select` keeps some in order, and `propose` / `commit` take one entry per row.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
@@ -12,23 +16,38 @@ from specdecode.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class Draft:
-    tokens: torch.Tensor  # [k'] int64, 0 <= k' <= k (a proposer may stop early or have nothing)
-    probs: torch.Tensor   # [k', V] float32, the q each token was sampled from; one-hot if deterministic
+    """One row's proposal for this step."""
+
+    tokens: torch.Tensor   # [k'] int64, 0 <= k' <= k (a proposer may stop early or have nothing)
+    probs: torch.Tensor    # [k', V] float32, the q each token was sampled from; one-hot if deterministic
+    forwards: int = 0      # draft-model forwards this row took part in
+    lookup: bool = False   # copied by prompt lookup
+
+
+def no_draft(vocab_size: int, device) -> Draft:
+    return Draft(torch.zeros(0, dtype=torch.long, device=device), torch.zeros((0, vocab_size), device=device))
+
+
+class DraftRow(Protocol):
+    """What a proposer may read of a running row."""
+
+    sampling: SamplingParams     # the request's adjustment (DESIGN.md rule 1)
+    generator: torch.Generator   # the request's randomness (rule 7)
+    tokens: list[int]            # the committed sequence: prompt + emitted tokens (read-only)
 
 
 class Proposer(Protocol):
-    num_calls: int   # draft forward passes so far in this request
-    time_s: float    # seconds spent proposing in this request
+    time_s: float  # seconds spent proposing, all rows
 
-    def configure(self, sampling: SamplingParams, generator: torch.Generator) -> None:
-        """Sample with the request's settings and generator (DESIGN.md rules 1 and 7)."""
+    def add_row(self, prompt_ids: Sequence[int], encoder_input_ids: Sequence[int] | None = None) -> None:
+        """A request joins as the last row; its prompt is the committed prefix."""
 
-    def start(self, prompt: torch.Tensor) -> None:
-        """Forget everything; the prompt [T] int64 is the committed prefix."""
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order."""
 
-    def propose(self, k: int) -> Draft:
-        """Up to k draft tokens continuing the committed prefix, with their q."""
+    def propose(self, rows: Sequence[DraftRow], ks: list[int]) -> list[Draft]:
+        """Up to ks[b] draft tokens continuing row b's committed prefix, with their q."""
 
-    def commit(self, num_accepted: int, tokens: list[int]) -> None:
-        """The verifier kept the first num_accepted drafts; `tokens` (the accepted drafts and
-        the target's next token) now extend the committed prefix."""
+    def commit(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
+        """Row b kept its first num_accepted[b] drafts; new_tokens[b] (those drafts and the
+        target's next token) now extend its committed prefix."""

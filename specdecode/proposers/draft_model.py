@@ -1,26 +1,37 @@
-"""A small autoregressive model as the draft (paper §2.1, §3.6)."""
+"""A small autoregressive model as the draft (paper §2.1, §3.6), for every running row at once."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
-from specdecode.proposers.base import Draft
-from specdecode.sampling import SamplingParams, adjust, sample
+from specdecode.proposers.base import Draft, DraftRow, no_draft
+from specdecode.sampling import adjust, sample
+
+
+@dataclass
+class _RowState:
+    pending: list[int]           # committed tokens the draft's cache has not been fed yet
+    drafted: int = 0             # drafts made this step (the last one is never fed)
+    base: int = 0                # cache length once the pending tokens are in
 
 
 class DraftModelProposer:
-    """Samples k tokens one after another from a draft backend, with the request's adjustment.
+    """Samples up to k tokens per row, one draft forward per drafted position for all rows.
 
-    The draft's cache always holds the committed prefix minus the `pending` tokens it has not
-    been fed yet (at first the whole prompt; later the target's last token and, after a fully
-    accepted block, the last draft); they go in with the first forward of the next proposal, so
-    prefill and rollback cost no extra call.
+    Each row's cache holds its committed prefix minus the `pending` tokens it has not been fed yet
+    (at first the whole prompt; later the target's last token and, after a fully accepted block,
+    the last draft); they go in with the row's first forward of the next proposal, so prefill and
+    rollback cost no extra call. A row that drafts less than the others (or nothing: prompt
+    lookup had a proposal, the guard paused it) feeds nothing at the later positions, and its
+    committed tokens queue up as pending.
 
-    Drafting stops early when the draft's own probability of the token it just chose falls below
-    `confidence_threshold` (dynamic γ). The stopping rule looks only at the draft's side, so the
-    output distribution is unchanged: each drafted position is still verified exactly.
+    Drafting of a row stops early when the draft's own probability of the token it just chose
+    falls below `confidence_threshold` (dynamic γ). The rule looks only at the draft's side, so
+    the output distribution is unchanged: each drafted position is still verified exactly.
 
     Args:
         backend: a model backend (specdecode.models) for the draft model.
@@ -33,53 +44,77 @@ class DraftModelProposer:
             raise ValueError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
         self.backend = backend
         self.confidence_threshold = confidence_threshold
-        self.sampling = SamplingParams(temperature=0.0)
-        self.generator: torch.Generator | None = None
-        self.num_calls = 0
+        self.max_rows = backend.max_rows
+        self.rows: list[_RowState] = []
         self.time_s = 0.0
+        backend.reset()
 
-    def configure(self, sampling: SamplingParams, generator: torch.Generator) -> None:
-        """Use the request's sampling settings and generator (DESIGN.md rules 1 and 7)."""
-        self.sampling = sampling
-        self.generator = generator
+    def add_row(self, prompt_ids: Sequence[int], encoder_input_ids: Sequence[int] | None = None) -> None:
+        self.backend.add_row(encoder_input_ids)
+        self.rows.append(_RowState(pending=list(prompt_ids)))
 
-    def start(self, prompt: torch.Tensor) -> None:
-        self.backend.reset()
-        self._pending = prompt.tolist()
-        self._drafts: list[int] = []
-        self.num_calls = 0
-        self.time_s = 0.0
+    def select(self, rows: list[int]) -> None:
+        self.backend.select(rows)
+        self.rows = [self.rows[b] for b in rows]
 
-    def propose(self, k: int) -> Draft:
+    def _feedable(self, token: int) -> int:
+        # An id the draft cannot embed (a target vocabulary padded past the draft's table) is fed
+        # as 0: only the proposals after it suffer, and they are verified exactly anyway.
+        return token if token < self.backend.num_embeddings else 0
+
+    def propose(self, rows: Sequence[DraftRow], ks: list[int]) -> list[Draft]:
         start = time.perf_counter()
-        self._committed = self.backend.length + len(self._pending)
-        if self.backend.max_length is not None:
+        backend, states = self.backend, self.rows
+        ks = list(ks)
+        if backend.max_length is not None:
             # the cache will hold the committed prefix and k − 1 drafts
-            k = min(k, self.backend.max_length - self._committed + 1)
-        if k <= 0:  # the draft's context window is full: this step goes without drafts
-            return Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, self.backend.vocab_size))
-        feed, tokens, probs = self._pending, [], []
-        for _ in range(k):
-            logits = self.backend.forward(torch.tensor(feed, dtype=torch.long), 1)[0]
-            self.num_calls += 1
-            q = adjust(logits, self.sampling)
-            token = int(q.argmax()) if self.sampling.greedy else int(sample(q, self.generator))
-            tokens.append(token)
-            probs.append(q)
-            feed = [token]
-            if self.confidence_threshold and len(tokens) < k and \
-                    float(torch.softmax(logits, -1)[token]) < self.confidence_threshold:
+            ks = [min(k, backend.max_length - (n + len(s.pending)) + 1)
+                  for k, n, s in zip(ks, backend.lengths, states)]
+        lengths = backend.lengths
+        tokens: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        forwards = [0] * len(rows)
+        for b, state in enumerate(states):
+            state.drafted = 0
+            state.base = lengths[b] + (len(state.pending) if ks[b] > 0 else 0)
+        for j in range(max(ks, default=0)):
+            live = [b for b in range(len(rows)) if j < ks[b]]
+            if not live:  # every row stopped early (dynamic γ)
                 break
-        self._pending, self._drafts = [], tokens
+            feeds = [[] for _ in rows]
+            for b in live:
+                feeds[b] = [self._feedable(t) for t in (states[b].pending if j == 0 else tokens[b][-1:])]
+            logits = backend.forward(feeds, 1)[:, 0]  # [B, V]
+            for b in live:
+                row = rows[b]
+                forwards[b] += 1
+                q = adjust(logits[b], row.sampling)
+                token = int(q.argmax()) if row.sampling.greedy else int(sample(q, row.generator))
+                tokens[b].append(token)
+                probs[b].append(q)
+                if self.confidence_threshold and j + 1 < ks[b] and \
+                        float(torch.softmax(logits[b], -1)[token]) < self.confidence_threshold:
+                    ks[b] = j + 1
+        drafts = []
+        for b, state in enumerate(states):
+            state.drafted = len(tokens[b])
+            if not tokens[b]:
+                drafts.append(no_draft(backend.vocab_size, backend.device))
+                continue
+            state.pending = []
+            drafts.append(Draft(torch.tensor(tokens[b], dtype=torch.long, device=backend.device),
+                                torch.stack(probs[b]), forwards=forwards[b]))
         self.time_s += time.perf_counter() - start
-        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs))
+        return drafts
 
-    def commit(self, num_accepted: int, tokens: list[int]) -> None:
-        if not self._drafts:  # no proposal this step (k clipped to 0): just queue the tokens
-            self._pending += tokens
-            return
-        # The cache holds the committed prefix plus drafts[:-1]; the last draft was never fed.
-        kept = min(num_accepted, len(self._drafts) - 1)
-        self.backend.truncate(self._committed + kept)
-        self._pending = tokens[kept:]
-        self._drafts = []
+    def commit(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
+        for state, n, new in zip(self.rows, num_accepted, new_tokens):
+            if state.drafted:
+                # The cache holds the prefix plus drafts[:-1]; the last draft was never fed.
+                kept = min(n, state.drafted - 1)
+                state.pending = list(new[kept:])
+                state.base += kept
+            else:  # the draft sat this step out: its cache did not move, the tokens queue up
+                state.pending += new
+            state.drafted = 0
+        self.backend.truncate([state.base for state in self.rows])

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
-from specdecode.proposers.base import Draft
+from specdecode.proposers.base import Draft, DraftRow, no_draft
 from specdecode.sampling import SamplingParams, adjust, sample
 
 
@@ -78,40 +78,43 @@ class NGramModel:
 
 
 class NGramProposer:
-    """Drafts k tokens from an NGramModel, each conditioned on the token before it (c ≈ 0).
+    """Drafts k tokens per row from an NGramModel, each conditioned on the token before it (c ≈ 0).
 
-    q is the model's distribution after the request's adjustment (temperature, top-k, top-p,
-    greedy as one-hot: DESIGN.md rule 1), applied to log q as logits.
+    q is the model's distribution after the row's adjustment (temperature, top-k, top-p,
+    greedy as one-hot: DESIGN.md rule 1), applied to log q as logits. Stateless per row: the
+    context is the row's last committed token.
     """
+
+    max_rows = None
 
     def __init__(self, model: NGramModel):
         self.model = model
-        self.sampling = SamplingParams(temperature=0.0)
-        self.generator: torch.Generator | None = None
-        self.num_calls = 0
         self.time_s = 0.0
 
-    def configure(self, sampling: SamplingParams, generator: torch.Generator) -> None:
-        self.sampling, self.generator = sampling, generator
+    def add_row(self, prompt_ids, encoder_input_ids=None) -> None:
+        pass
 
-    def start(self, prompt: torch.Tensor) -> None:
-        self.last = int(prompt[-1])
-        self.num_calls, self.time_s = 0, 0.0
+    def select(self, rows: list[int]) -> None:
+        pass
 
-    def q(self, previous: int | None) -> torch.Tensor:
+    def q(self, previous: int | None, sampling: SamplingParams) -> torch.Tensor:
         """The adjusted proposal distribution after `previous`: [V] float32."""
-        return adjust(self.model.probs(previous).log(), self.sampling)
+        return adjust(self.model.probs(previous).log(), sampling)
 
-    def propose(self, k: int) -> Draft:
+    def propose(self, rows: Sequence[DraftRow], ks: list[int]) -> list[Draft]:
         start = time.perf_counter()
-        tokens, probs, previous = [], [], self.last
-        for _ in range(k):
-            q = self.q(previous)
-            previous = int(q.argmax()) if self.sampling.greedy else int(sample(q, self.generator))
-            tokens.append(previous)
-            probs.append(q)
+        drafts = []
+        for row, k in zip(rows, ks):
+            tokens, probs, previous = [], [], row.tokens[-1]
+            for _ in range(k):
+                q = self.q(previous, row.sampling)
+                previous = int(q.argmax()) if row.sampling.greedy else int(sample(q, row.generator))
+                tokens.append(previous)
+                probs.append(q)
+            drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs)) if tokens
+                          else no_draft(self.model.vocab_size, "cpu"))
         self.time_s += time.perf_counter() - start
-        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs))
+        return drafts
 
-    def commit(self, num_accepted: int, tokens: list[int]) -> None:
-        self.last = tokens[-1]
+    def commit(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
+        pass

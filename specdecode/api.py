@@ -1,26 +1,25 @@
-"""SpeculativeDecoder: the public entry point. Loads the target and draft, validates every input
-at the boundary, and runs the decoding loop (specdecode.decoding)."""
+"""SpeculativeDecoder: the public entry point, a thin facade. It loads and checks the models,
+validates every input at the boundary, and turns calls into engine requests (specdecode.engine)."""
 
 from __future__ import annotations
 
 import copy
 import operator
-import os
-import socket
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
-from specdecode.models import zoo
-from specdecode.batch import decode_batch
-from specdecode.decoding import DecodeConfig, GenerationResult, TokenEvent, decode
-from specdecode.models import HFBatchedCausalLM, HFCausalLM, Seq2SeqLM
-from specdecode.models.hf_batch import supports_batching
+from specdecode.engine.driver import Driver
+from specdecode.engine.engine import Engine
+from specdecode.engine.request import DecodeConfig, GenerationResult, Request, TokenEvent
+from specdecode.measure.timing import measure_costs
+from specdecode.models import HFCausalLM, Seq2SeqLM, zoo
+from specdecode.models.loading import (check_model_spec, check_same_tokenizer, eos_token_ids, load_model,
+                                       parse_device, parse_dtype)
 from specdecode.models.quant import prepare_draft
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
-from specdecode.measure.timing import measure_costs
 
 # Defaults, exact, chosen on HumanEval: prompt lookup first; otherwise the draft, with int4
 # weights and eager attention, scoring only the first 32768 ids, drafts up to 8 tokens, stopping
@@ -33,93 +32,10 @@ DEFAULT_DRAFT_CONFIDENCE = 0.4
 DEFAULT_GAMMA_SCHEDULE = "fixed"
 DEFAULT_DRAFT_QUANTIZATION = "int4"
 QUANTIZATIONS = {"int8": 8, "int4": 4, "none": None}  # quantize_draft's kinds → bits
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-def parse_dtype(dtype) -> torch.dtype:
-    """None → bfloat16 (a k-token verify costs about one step there; DESIGN.md §8)."""
-    if dtype is None:
-        return torch.bfloat16
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def _hub_reachable(host: str = "huggingface.co") -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        return False
-    try:
-        socket.getaddrinfo(host, 443)
-        return True
-    except OSError:
-        return False
-
-
-def check_model_spec(spec) -> None:
-    """Fail fast, before any model is loaded, on a spec that cannot load here.
-
-    Raises:
-        ValueError: not a zoo name, not an existing directory, and (for a hub id) no local copy
-            in the Hugging Face cache while the hub is unreachable.
-    """
-    if isinstance(spec, torch.nn.Module) or spec in zoo.ZOO:
-        return
-    if not isinstance(spec, str) or not spec:
-        raise ValueError(f"model must be a zoo name, a local path or a hub id, got {spec!r}")
-    if os.path.isdir(spec):
-        return
-    looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") > 1 or os.sep + os.sep in spec
-    if looks_like_path:
-        raise ValueError(f"model path {spec!r} does not exist. Known offline models: {', '.join(zoo.ZOO)}")
-    from huggingface_hub import try_to_load_from_cache
-
-    if not isinstance(try_to_load_from_cache(spec, "config.json"), str) and not _hub_reachable():
-        raise ValueError(
-            f"cannot load model {spec!r}: it is not in the local Hugging Face cache and the hub is "
-            f"unreachable from here. Known offline models: {', '.join(zoo.ZOO)}; or pass a local "
-            "directory saved with save_pretrained.")
-
-
-def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None = None):
-    """A zoo name, a local directory or a hub id → (model, tokenizer, name). A config with
-    is_encoder_decoder (T5, BART, ...) loads through AutoModelForSeq2SeqLM, others as causal LMs.
-
-    Raises:
-        ValueError: the model cannot be found or loaded here (the message says what to do).
-    """
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoModelForSeq2SeqLM,
-        AutoTokenizer,
-    )
-
-    check_model_spec(spec)
-    if spec in zoo.ZOO:
-        model, tokenizer = zoo.load_zoo_model(spec, dtype, progress)
-        return model, tokenizer, spec
-    if progress:
-        progress(f"loading {spec}")
-    try:
-        seq2seq = getattr(AutoConfig.from_pretrained(spec), "is_encoder_decoder", False)
-        auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
-        model = auto.from_pretrained(spec, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(spec)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"cannot load model {spec!r}: {type(err).__name__}: {str(err).splitlines()[0]}") from None
-    return model.eval(), tokenizer, spec
-
-
-def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:
-    """Raises ValueError if the two tokenizers map any string to different ids (DESIGN.md rule 6)."""
-    if target_tokenizer is draft_tokenizer:
-        return
-    if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
-        raise ValueError(
-            f"draft tokenizer ({draft_name!r}) differs from target tokenizer ({target_name!r}); "
-            "pick a draft from the target's family, or pass draft=None")
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -131,15 +47,15 @@ class _Loaded:
 
 class GenerationStream:
     """Iterate (once) for TokenEvents as tokens are accepted; `.result` is set when it ends.
+    Other calls on the same decoder may run meanwhile: their rows share the engine's batch.
+    `close()` (or leaving it unfinished and calling close) aborts the request.
 
     Raises (while iterating):
-        RuntimeError: iterated a second time, or another generate() call on the same decoder
-            took over its models' caches before this stream finished.
+        RuntimeError: iterated a second time.
     """
 
-    def __init__(self, events: Iterator[TokenEvent], decoder: "SpeculativeDecoder"):
-        self._events = events
-        self._decoder = decoder
+    def __init__(self, driver: Driver, request_id: int):
+        self._driver, self._request_id = driver, request_id
         self._started = False
         self.result: GenerationResult | None = None
 
@@ -147,18 +63,12 @@ class GenerationStream:
         if self._started:
             raise RuntimeError("a GenerationStream can be iterated only once")
         self._started = True
-        while True:
-            # The target and draft caches belong to the decoder, not to the stream: a stream that
-            # resumed after another request reset them would continue from the wrong prefix.
-            if self._decoder._owner is not self:
-                raise RuntimeError("another generate() call on this decoder started before this stream "
-                                   "finished; finish a stream before starting the next request")
-            try:
-                event = next(self._events)
-            except StopIteration as done:
-                self.result = done.value
-                return
-            yield event
+        self.result = yield from self._driver.stream(self._request_id)
+
+    def close(self) -> None:
+        """Abort the request if it has not finished (its row leaves the batch)."""
+        if self.result is None:
+            self._driver.abort(self._request_id)
 
 
 class SpeculativeDecoder:
@@ -188,54 +98,64 @@ class SpeculativeDecoder:
             store the draft's linear layers as integers, weight-only, for a cheaper draft step;
             still exact, since only the proposal changes (paper §3.6). "none" or False keeps its
             weights; True means the default kind (DEFAULT_DRAFT_QUANTIZATION). None (default):
-            the default kind for a draft loaded by name or path, none for a draft given as a
-            loaded model (a kind or True quantizes a copy of it; the user's object is never
-            changed) and for encoder–decoder drafts (their layers read .weight directly; asking
-            for a kind raises).
+            the default kind for a draft loaded by name or path on the CPU, none for a draft
+            given as a loaded model (a kind or True quantizes a copy of it; the user's object is
+            never changed), for encoder–decoder drafts (their layers read .weight directly) and
+            on other devices (the int kernels are CPU kernels); asking for a kind there raises.
         gamma_schedule: "fixed" drafts up to γ every step; "adaptive" starts at 4, adds 2 after a
             fully accepted block and drops 1 otherwise, within [1, γ] (transformers' "heuristic"
             schedule). Exact either way (the choice looks only at the past).
         guard: pause drafting while the request's acceptances say it does not pay (Cor. 3.9's
-            α > c checked at run time, specdecode.engine.guard), probing again every 16 steps. Exact
-            either way. Seeded sampled requests are not guarded, so that a seed gives the same
-            output alone, in a batch and in another process. Default True.
+            α > c checked at run time, specdecode.engine.guard), probing again every 16 steps.
+            Exact either way. Seeded sampled requests are not guarded, so that a seed gives the
+            same output alone, in a batch and in another process. Default True.
         guard_costs: (c, slope) for the guard: c = a draft forward's time over a target step's,
             slope = (r(γ+1) − 1) / γ, the extra cost of each verified draft in target steps. None
             (default) measures both once here (a few forwards of each model, ~3 s on the zoo pair).
         dtype: "bfloat16" (default), "float32" or "float16" for models loaded by name.
+        device: None (where a model given as an object already is, else "cpu"), "cpu", "cuda",
+            "cuda:N" or "mps". Models are moved there (a model given as an object too).
+        max_batch_size: the most requests decoded together (None: no limit; generate's
+            batch_size can lower it per call).
         progress: called with one-line messages while models are assembled and loaded.
     Raises:
         ValueError: unknown model, tokenizers that differ, an encoder–decoder model paired with a
-            decoder-only one, draft_vocab_limit on an encoder–decoder draft, γ < 1, unknown dtype.
+            decoder-only one, draft_vocab_limit on an encoder–decoder draft, γ < 1, unknown dtype,
+            a device that is not available, quantize_draft off the CPU or on a float64 draft.
         FileNotFoundError: the default pair's part packages are not installed.
     """
 
     def __init__(self, target="default", draft="default", *, tokenizer=None,
                  num_speculative_tokens: int = DEFAULT_GAMMA, draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
                  draft_vocab_limit: int | str | None = "auto", prompt_lookup: bool | None = None,
-                 quantize_draft: bool | str | None = None, gamma_schedule: str = DEFAULT_GAMMA_SCHEDULE, guard: bool = True,
-                 guard_costs: tuple[float, float] | None = None, dtype=None,
-                 progress: Callable[[str], None] | None = None):
-        if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool) \
-                or num_speculative_tokens < 1:
+                 quantize_draft: bool | str | None = None, gamma_schedule: str = DEFAULT_GAMMA_SCHEDULE,
+                 guard: bool = True, guard_costs: tuple[float, float] | None = None, dtype=None, device=None,
+                 max_batch_size: int | None = None, progress: Callable[[str], None] | None = None):
+        if not _is_int(num_speculative_tokens) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
-        if not 0 <= draft_confidence < 1:
+        if isinstance(draft_confidence, bool) or not isinstance(draft_confidence, (int, float)) \
+                or not 0 <= draft_confidence < 1:
             raise ValueError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
         if gamma_schedule not in ("fixed", "adaptive"):
             raise ValueError(f"gamma_schedule must be 'fixed' or 'adaptive', got {gamma_schedule!r}")
-        self.gamma_schedule = gamma_schedule
         if guard_costs is not None and (len(guard_costs) != 2 or not all(x >= 0 for x in guard_costs)):
             raise ValueError(f"guard_costs must be two numbers >= 0 (c, slope), got {guard_costs!r}")
         if not (quantize_draft is None or isinstance(quantize_draft, bool) or quantize_draft in QUANTIZATIONS):
             raise ValueError(f"quantize_draft must be one of {', '.join(QUANTIZATIONS)}, True, False or None, "
                              f"got {quantize_draft!r}")
-        if draft_vocab_limit not in (None, "auto") and (
-                not isinstance(draft_vocab_limit, int) or draft_vocab_limit < 1):
+        if draft_vocab_limit not in (None, "auto") and (not _is_int(draft_vocab_limit) or draft_vocab_limit < 1):
             raise ValueError(f"draft_vocab_limit must be a positive integer, 'auto' or None, got {draft_vocab_limit!r}")
+        if max_batch_size is not None and (not _is_int(max_batch_size) or max_batch_size < 1):
+            raise ValueError(f"max_batch_size must be None or an integer >= 1, got {max_batch_size!r}")
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_confidence = draft_confidence
+        self.gamma_schedule = gamma_schedule
         self.prompt_lookup = (draft is not None) if prompt_lookup is None else prompt_lookup
         self.dtype = parse_dtype(dtype)
+        self.device = parse_device(device, target)
+        if self.device.type != "cpu" and quantize_draft not in (None, False, "none"):
+            raise ValueError(f"quantize_draft={quantize_draft!r}: the int8/int4 draft kernels run on the CPU only; "
+                             f"on {self.device} pass quantize_draft=None or 'none'")
         target = zoo.DEFAULT_TARGET if target == "default" else target
         draft = zoo.DEFAULT_DRAFT if draft == "default" else draft
         if draft_vocab_limit == "auto":
@@ -255,41 +175,45 @@ class SpeculativeDecoder:
         if draft is not None:
             self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, quantize_draft)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
-            if self.is_encoder_decoder != isinstance(self.draft.backend, Seq2SeqLM):
-                kinds = {True: "an encoder-decoder", False: "a decoder-only"}
-                raise ValueError(
-                    f"target {self.target.name!r} is {kinds[self.is_encoder_decoder]} model but draft "
-                    f"{self.draft.name!r} is {kinds[not self.is_encoder_decoder]} one; pick a draft of the "
-                    "same kind (e.g. flan-t5-small for a flan-t5 target)")
-            if self.is_encoder_decoder and \
-                    self.draft.backend.decoder_start_token_id != self.target.backend.decoder_start_token_id:
-                raise ValueError(
-                    f"draft {self.draft.name!r} starts its decoder from token "
-                    f"{self.draft.backend.decoder_start_token_id}, target {self.target.name!r} from "
-                    f"{self.target.backend.decoder_start_token_id}; they must agree")
-        self.eos_token_ids = self._eos_ids(self.target.backend.model, self.tokenizer)
-        self._owner: GenerationStream | None = None
+            self._check_pair()
+        self.eos_token_ids = eos_token_ids(self.target.backend.model, self.tokenizer)
         self.guard_costs = None  # None: no guard
         if guard and self.draft is not None:
             self.guard_costs = guard_costs or self._measure_guard_costs(progress)
+        self.engine = Engine(self.target.backend, self._proposer(), self.tokenizer, max_batch_size)
+        self._driver = Driver(self.engine)
+
+    def _check_pair(self) -> None:
+        if self.is_encoder_decoder != isinstance(self.draft.backend, Seq2SeqLM):
+            kinds = {True: "an encoder-decoder", False: "a decoder-only"}
+            raise ValueError(
+                f"target {self.target.name!r} is {kinds[self.is_encoder_decoder]} model but draft "
+                f"{self.draft.name!r} is {kinds[not self.is_encoder_decoder]} one; pick a draft of the "
+                "same kind (e.g. flan-t5-small for a flan-t5 target)")
+        if self.is_encoder_decoder and \
+                self.draft.backend.decoder_start_token_id != self.target.backend.decoder_start_token_id:
+            raise ValueError(
+                f"draft {self.draft.name!r} starts its decoder from token "
+                f"{self.draft.backend.decoder_start_token_id}, target {self.target.name!r} from "
+                f"{self.target.backend.decoder_start_token_id}; they must agree")
 
     def _measure_guard_costs(self, progress) -> tuple[float, float]:
         if progress:
             progress("measuring c (draft step / target step) and the verify cost r(γ+1) for the guard")
         vocab = min(self.target.backend.vocab_size, self.draft.backend.vocab_size)
         context = [i % vocab for i in range(100, 164)]
-        if self.is_encoder_decoder:  # the decoders attend to an encoded input
-            for loaded in (self.target, self.draft):
-                loaded.backend.set_input(context)
         gamma = self.num_speculative_tokens
-        costs = measure_costs(self.target.backend, self.draft.backend, context, [gamma + 1], repeats=3)
+        # an encoder–decoder model's decoder attends to an encoded input: time it on one
+        encoder_input = context if self.is_encoder_decoder else None
+        costs = measure_costs(self.target.backend, self.draft.backend, context, [gamma + 1], repeats=3,
+                              encoder_input_ids=encoder_input)
         return costs["c"], max(costs["r"][gamma + 1] - 1, 0.0) / gamma
 
     def _load(self, spec, tokenizer, progress, vocab_limit=None, quantization: bool | str | None = False) -> _Loaded:
         """quantization: as SpeculativeDecoder's quantize_draft (False for a target)."""
         given = isinstance(spec, torch.nn.Module)
         asked = quantization not in (None, False, "none")
-        if quantization is True or (quantization is None and not given):
+        if quantization is True or (quantization is None and not given and self.device.type == "cpu"):
             quantization = DEFAULT_DRAFT_QUANTIZATION
         bits = QUANTIZATIONS[quantization] if quantization else None
         if given:
@@ -306,6 +230,8 @@ class SpeculativeDecoder:
             bits = None
         if bits:
             prepare_draft(model, bits)
+        if next(model.parameters()).device != self.device:
+            model.to(self.device)
         return _Loaded(self._backend(model, vocab_limit), tok, name)
 
     @staticmethod
@@ -317,61 +243,47 @@ class SpeculativeDecoder:
                              "draft_vocab_limit=None with an encoder-decoder draft")
         return Seq2SeqLM(model)
 
-    @staticmethod
-    def _eos_ids(model, tokenizer) -> frozenset[int]:
-        ids = set()
-        for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-            if isinstance(value, int):
-                ids.add(value)
-            elif value:
-                ids.update(value)
-        return frozenset(ids)
-
     def _proposer(self, draft_backend=None):
-        """The configured proposer; draft_backend replaces the draft's own (the benchmark wraps it)."""
+        """A new proposer as configured; draft_backend replaces the draft's own (the benchmark wraps it)."""
         draft_backend = draft_backend or (self.draft.backend if self.draft is not None else None)
         proposer = DraftModelProposer(draft_backend, self.draft_confidence) if draft_backend is not None else None
         if self.prompt_lookup:
             proposer = PromptLookupProposer(self.target.backend.vocab_size, fallback=proposer)
         return proposer
 
-    def _config(self, max_new_tokens, sampling, stop, lenience: float = 1.0) -> DecodeConfig:
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+    def config(self, max_new_tokens: int, sampling: SamplingParams | None = None, stop=None,
+               lenience: float = 1.0) -> DecodeConfig:
+        """The DecodeConfig of a request with these settings (validated) on this decoder.
+
+        Raises:
+            TypeError: an argument of the wrong type (named).
+            ValueError: max_new_tokens < 1, an empty stop string, lenience outside (0, 1].
+        """
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if sampling is None:
+            sampling = SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams (or, for a list of prompts, a list of them), "
+                            f"got {type(sampling).__name__}")
+        stops = (stop,) if isinstance(stop, str) else stop
+        if stops is None:
+            stops = ()
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+            raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
-        sampling = sampling or SamplingParams()
-        # A seeded sampled request must give the same output alone, in a batch (which has no
-        # guard) and in another process (which measures its own c): the guard stays out of it.
-        # Exact greedy output does not depend on when drafting pauses (up to bf16 near-ties);
-        # lenient greedy does (a paused step emits the argmax), so it is not guarded either.
+        if isinstance(lenience, bool) or not isinstance(lenience, (int, float)) or not 0 < lenience <= 1:
+            raise ValueError(f"lenience must be a number in (0, 1] (1 = exact; below 1 is lossy), got {lenience!r}")
+        # A seeded sampled request must give the same output alone, in a batch and in another
+        # process (which measures its own c): the guard stays out of it. Exact greedy output
+        # does not depend on when drafting pauses (up to bf16 near-ties); lenient greedy does
+        # (a paused step emits the argmax), so it is not guarded either.
         guarded = lenience == 1 if sampling.greedy else sampling.seed is None
         return DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling,
                             num_speculative_tokens=self.num_speculative_tokens, eos_token_ids=self.eos_token_ids,
-                            stop=stops, lenience=lenience, costs=self.guard_costs if guarded else None,
-                            gamma_schedule=self.gamma_schedule)
-
-    def _can_batch(self) -> bool:
-        """Lookup-only decoding has no batched form; sliding-window models have no batched backend."""
-        if (self.draft is None and self.prompt_lookup) or self.is_encoder_decoder:
-            return False
-        loaded = [self.target] + ([self.draft] if self.draft is not None else [])
-        return all(supports_batching(m.backend.model) for m in loaded)
-
-    def _generate_batch(self, prompts: list[list[int]], config: DecodeConfig, batch_size: int) -> list[GenerationResult]:
-        # Batched backends wrap the same model objects with caches of their own, so a paused
-        # stream on this decoder keeps its state.
-        target = HFBatchedCausalLM(self.target.backend.model, self.target.backend.vocab_size)
-        draft = None
-        if self.draft is not None:
-            draft = HFBatchedCausalLM(self.draft.backend.model, self.draft.backend.vocab_size)
-        results = []
-        for first in range(0, len(prompts), batch_size):
-            chunk = prompts[first:first + batch_size]
-            results += decode_batch(target, draft, chunk, [config] * len(chunk), self.tokenizer,
-                                    draft_confidence=self.draft_confidence)
-        return results
+                            stop=tuple(stops), lenience=float(lenience),
+                            costs=self.guard_costs if guarded else None, gamma_schedule=self.gamma_schedule)
 
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
         """A string (chat template applied per `chat`) or token ids → validated token ids. For an
@@ -380,7 +292,8 @@ class SpeculativeDecoder:
 
         Raises:
             ValueError: empty prompt, ids outside the vocabulary, chat=True without a template
-                (or with an encoder-decoder target).
+                (or with an encoder-decoder target), a prompt that fills the context window.
+            TypeError: a prompt that is neither a string nor a list of token ids.
         """
         if isinstance(prompt, str) and self.is_encoder_decoder:
             if chat:
@@ -401,7 +314,7 @@ class SpeculativeDecoder:
                 ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
             else:
                 ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
+        elif isinstance(prompt, (list, tuple)):
             try:
                 ids = [operator.index(t) for t in prompt]  # ints, numpy ints, 0-d int tensors
             except TypeError:
@@ -409,37 +322,47 @@ class SpeculativeDecoder:
                                  f"{[type(t).__name__ for t in prompt][:5]}") from None
             if any(isinstance(t, bool) for t in prompt):
                 raise ValueError("a token-id prompt must be a list of integers, not booleans")
+        else:
+            raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt is empty; give at least one character or token id")
-        bad = [t for t in ids if not 0 <= t < self.target.backend.vocab_size]
+        vocab = self.target.backend.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.target.backend.vocab_size})")
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         limit = self.target.backend.max_length
         if limit is not None and len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens; the target's context window is {limit}")
         return ids
 
-    def generate(self, prompt, *, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
+    def request(self, prompt, config: DecodeConfig, chat: bool | None = None) -> Request:
+        """An engine Request for one prompt (see encode); for an encoder–decoder target the prompt
+        is the encoder's input and the decoder starts from decoder_start_token_id."""
+        ids = self.encode(prompt, chat)
+        if self.is_encoder_decoder:
+            return Request([self.target.backend.decoder_start_token_id], config, encoder_input_ids=ids)
+        return Request(ids, config)
+
+    def generate(self, prompt, *, max_new_tokens: int = 256, sampling: SamplingParams | list | None = None,
                  stop: list[str] | str | None = None, stream: bool = False, chat: bool | None = None,
                  batch_size: int | None = None, lenience: float = 1.0):
         """Generate a continuation whose distribution is exactly the target's (paper §2.3).
 
         Args:
             prompt: a string, a list of token ids (used verbatim), or a list of either: a batch,
-                decoded together (specdecode.batch), returning a list of results in order.
+                decoded together through the engine (continuous batching), returning a list of
+                results in order.
             max_new_tokens: at most this many new tokens (>= 1), per prompt.
-            sampling: SamplingParams; default temperature 1.0. temperature=0 is greedy. In a batch
-                every prompt gets its own generator from this seed, so each result equals the
-                prompt's result alone with the same settings.
+            sampling: SamplingParams (default temperature 1.0; temperature=0 is greedy), or for a
+                list of prompts a list of them, one per prompt. Every request has its own
+                generator from its own seed, so each result equals the prompt's result alone
+                with the same settings.
             stop: a string or list of strings that end the output (excluded from the text).
             stream: return a GenerationStream of TokenEvents instead of the result (one prompt).
             chat: apply the chat template (None: for string prompts when the target has one).
-            batch_size: for a list of prompts, how many decode together: None = all, 1 = one
-                after another. The batch path drafts with the draft model at fixed γ (with
-                draft_confidence's dynamic γ) and skips prompt lookup, so that each row equals its
-                result alone, sampling with prompt lookup on goes one at a time; so do lookup-only
-                decoding (draft=None, prompt_lookup=True), encoder–decoder and sliding-window
-                models, and lenience < 1.
+            batch_size: for a list of prompts, how many run at once: None = all, 1 = one after
+                another. Each row is what it would be alone (its own γ plan, guard, prompt
+                lookup, seed and stops).
             lenience: l in (0, 1]; 1 (default) is exact. l < 1 is LOSSY (paper A.5): it changes
                 the output distribution (no token gets more than p(x)/l; greedy keeps a draft
                 token with p(x) >= l·max p) and marks result.stats.lossy.
@@ -449,38 +372,40 @@ class SpeculativeDecoder:
         Raises:
             ValueError: bad prompt (any prompt of a batch, before anything is generated),
                 max_new_tokens < 1, empty stop string, batch_size not None or >= 1, stream=True
-                with a list, lenience outside (0, 1].
+                with a list, lenience outside (0, 1], a list of sampling of the wrong length.
+            TypeError: an argument of the wrong type (named).
         """
-        if isinstance(lenience, bool) or not isinstance(lenience, (int, float)) or not 0 < lenience <= 1:
-            raise ValueError(f"lenience must be a number in (0, 1] (1 = exact; below 1 is lossy), got {lenience!r}")
-        config = self._config(max_new_tokens, sampling, stop, float(lenience))
-        if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
-                                       or batch_size < 1):
+        if batch_size is not None and (not _is_int(batch_size) or batch_size < 1):
             raise ValueError(f"batch_size must be None (all at once) or an integer >= 1, got {batch_size!r}")
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple)):
+        is_batch = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (str, list, tuple))
+        if not is_batch:
+            if isinstance(sampling, (list, tuple)):
+                raise TypeError("sampling is a list, but there is one prompt: pass one SamplingParams")
+            request = self.request(prompt, self.config(max_new_tokens, sampling, stop, lenience), chat)
+            request_id = self._driver.submit(request, keep_events=stream)
             if stream:
-                raise ValueError("stream=True takes one prompt, not a list")
-            # Encode (and so validate) every prompt before generating any; the ids go in verbatim.
-            encoded = [self.encode(p, chat) for p in prompt]
-            # The batch path drafts with the draft model only: with prompt lookup on, a seeded
-            # sampled row would draw from its generator differently than alone (rule 7).
-            sampled_lookup = self.prompt_lookup and not config.sampling.greedy
-            if batch_size == 1 or lenience < 1 or sampled_lookup or not self._can_batch():
-                return [self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                                      lenience=lenience) for ids in encoded]
-            return self._generate_batch(encoded, config, batch_size or len(encoded))
-        ids = self.encode(prompt, chat)
-        if self.is_encoder_decoder:
-            # Both encoders see the prompt once; Algorithm 1 then runs on the decoder tokens.
-            for loaded in (self.target, self.draft):
-                if loaded is not None:
-                    loaded.backend.set_input(ids)
-            ids = [self.target.backend.decoder_start_token_id]
-        events = decode(self.target.backend, self._proposer(), ids, config, self.tokenizer)
-        stream_ = GenerationStream(events, self)
-        self._owner = stream_
+                return GenerationStream(self._driver, request_id)
+            return self._driver.result(request_id)
         if stream:
-            return stream_
-        for _ in stream_:
-            pass
-        return stream_.result
+            raise ValueError("stream=True takes one prompt, not a list")
+        samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompt)
+        if len(samplings) != len(prompt):
+            raise ValueError(f"sampling has {len(samplings)} entries for {len(prompt)} prompts; give one per prompt")
+        # Validate every prompt before generating any.
+        requests = [self.request(p, self.config(max_new_tokens, s, stop, lenience), chat)
+                    for p, s in zip(prompt, samplings)]
+        return self._run_all(requests, batch_size or len(requests))
+
+    def _run_all(self, requests: list[Request], batch_size: int) -> list[GenerationResult]:
+        """Keep at most batch_size of these requests in the engine; a new one joins as one finishes."""
+        results: list[GenerationResult | None] = [None] * len(requests)
+        queue = list(enumerate(requests))[::-1]
+        active: dict[int, int] = {}
+        while queue or active:
+            while queue and len(active) < batch_size:
+                index, request = queue.pop()
+                active[self._driver.submit(request)] = index
+            self._driver.step()
+            for request_id in [r for r in active if r in self._driver.results]:
+                results[active.pop(request_id)] = self._driver.results.pop(request_id)
+        return results

@@ -1,0 +1,254 @@
+"""The one decoding loop, batch-first: every path (a prompt, a stream, a list, a benchmark, a
+server request) is a request that joins the running batch and leaves it when done (DESIGN.md §2).
+
+One step, for all running rows at once:
+    1 plan      γ per row: its schedule, its guard, clipped to the room it has left
+    2 propose   the proposer drafts up to γ tokens per row, with the q they were sampled from
+    3 score     ONE target forward over every row's pending token(s) and drafts → p_1..p_{k+1}
+    4 accept    per row, with its own generator: the speculative sampling rule (paper §2.3)
+    5 commit    per row, token by token through its stops; both caches rolled back to exactly
+                the committed prefix (rule 5)
+    6 record    per-row statistics; finished rows leave, waiting requests join
+
+Plain decoding is the same loop with no proposer (every γ is 0), so the baseline and the
+speculative run differ only in speculation. A row never depends on its neighbours (rule 7): it
+draws from its own generator in the same order and number as alone, its γ plan and guard look
+only at its own tokens, and its stops are its own. (With a neural model, a batch changes float
+rounding slightly — padded shapes — as any batched inference does; table models are exact.)
+
+A request joining the batch reads its prompt in its first step's forward (the other rows' feeds
+are padded to the prompt's length in that one call).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.engine.output import Output
+from specdecode.engine.policy import GammaPolicy
+from specdecode.engine.request import (ACCEPTED, BONUS, CORRECTED, TARGET, DecodeConfig, GenerationResult,
+                                       Request, TokenEvent)
+from specdecode.engine.stats import GenerationStats
+from specdecode.proposers.base import Draft, no_draft
+from specdecode.sampling import SamplingParams, adjust, make_generator, sample
+from specdecode.verify import greedy_lenient_step, speculative_step
+
+
+@dataclass
+class StepOutput:
+    """What one request got from one step: its new tokens, and its result once it finished."""
+
+    request_id: int
+    events: list[TokenEvent]
+    result: GenerationResult | None = None
+
+
+class _Row:
+    """One running request's state. `tokens` is its committed sequence (prompt + emitted);
+    the target's cache holds all of it but `pending`, which the next forward feeds first."""
+
+    def __init__(self, request_id: int, request: Request, tokenizer, speculative: bool, device):
+        config = request.config
+        self.request_id, self.request, self.config = request_id, request, config
+        self.sampling: SamplingParams = config.sampling
+        self.generator = make_generator(config.sampling.seed, device)
+        self.tokens = list(request.prompt_ids)
+        self.pending = list(request.prompt_ids)
+        self.out = Output(config, tokenizer, self.tokens)
+        self.policy = GammaPolicy(config, speculative)
+        self.stats = GenerationStats(lossy=config.lenience < 1.0 and speculative,
+                                     accepted_per_position=[0] * self.policy.k_max)
+        self.start = time.perf_counter()
+
+    def result(self) -> GenerationResult:
+        self.stats.num_generated = len(self.out.token_ids)
+        self.stats.wall_time_s = time.perf_counter() - self.start
+        if self.policy.guard is not None:
+            self.stats.num_guard_pauses = self.policy.guard.num_pauses
+        return GenerationResult(self.out.text, self.out.token_ids, self.out.finish_reason, self.stats,
+                                self.out.origins)
+
+
+def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor, config: DecodeConfig,
+           generator: torch.Generator) -> tuple[int, int]:
+    """Step 4 for one row: (drafts accepted, the next token).
+
+    Args:
+        drafts: [k] int64.  draft_probs: [k, V_draft] q (None when k = 0).
+        logits: [k+1, V] the target's raw logits after the pending tokens and each draft.
+        config: the row's sampling and lenience.  generator: the row's.
+    """
+    k = len(drafts)
+    if k > 0 and config.sampling.greedy and config.lenience < 1:
+        # lenience must see the target's untempered distribution, not the one-hot (paper A.5)
+        n, token = greedy_lenient_step(drafts[None], logits[None], config.lenience)
+        return int(n), int(token)
+    p = adjust(logits, config.sampling)
+    if k > 0:
+        n, token = speculative_step(drafts[None], draft_probs[None], p[None], generator, config.lenience)
+        return int(n), int(token)
+    return 0, int(p[0].argmax()) if config.sampling.greedy else int(sample(p[0], generator))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued accelerator work, so that the phase timings are true."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    """Continuous batching of requests through one target and one proposer.
+
+    Args:
+        target: a backend (specdecode.models) for the target model; the engine owns its rows.
+        proposer: a Proposer (specdecode.proposers) or None for plain decoding.
+        tokenizer: for text and stop strings; None decodes ids only (text is "").
+        max_batch_size: the most rows running at once (None: as many as the backends take);
+            further requests wait in order.
+    Raises:
+        ValueError: max_batch_size < 1.
+    """
+
+    def __init__(self, target, proposer=None, tokenizer=None, max_batch_size: int | None = None):
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size!r}")
+        self.target, self.proposer, self.tokenizer = target, proposer, tokenizer
+        limits = [m for m in (max_batch_size, target.max_rows, getattr(proposer, "max_rows", None)) if m]
+        self.capacity = min(limits) if limits else None
+        self.device = target.device
+        self.running: list[_Row] = []
+        self.waiting: deque[tuple[int, Request]] = deque()
+        self._next_id = 0
+        target.reset()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add(self, request: Request) -> int:
+        """Queue a request; it joins the batch at the next step with room. Returns its id.
+
+        Raises:
+            ValueError: an empty prompt.
+        """
+        if not request.prompt_ids:
+            raise ValueError("every prompt needs at least one token")
+        request_id = self._next_id
+        self._next_id += 1
+        self.waiting.append((request_id, request))
+        return request_id
+
+    def abort(self, request_id: int) -> GenerationResult | None:
+        """Stop a request now (finish_reason "abort"); its row leaves and no other row changes.
+        Returns its result so far, or None for an unknown or finished request."""
+        for i, (rid, request) in enumerate(self.waiting):
+            if rid == request_id:
+                del self.waiting[i]
+                row = _Row(rid, request, None, False, self.device)
+                row.out.finish("abort")
+                return row.result()
+        for row in self.running:
+            if row.request_id == request_id:
+                row.out.finish("abort")
+                self._leave([row])
+                return row.result()
+        return None
+
+    def step(self) -> list[StepOutput]:
+        """One target call for every running row (after admitting waiting requests)."""
+        self._admit()
+        outputs = {row.request_id: StepOutput(row.request_id, []) for row in self.running}
+        limit = self.target.max_length
+        full = [row for row in self.running if limit is not None and len(row.tokens) >= limit]
+        for row in full:  # the context window is full: no room for another token
+            row.out.finish("length")
+        self._leave(full, outputs)
+        rows = self.running
+        if not rows:
+            return list(outputs.values())
+        # 1 plan
+        ks = [row.policy.plan(row.config.max_new_tokens - len(row.out.token_ids), limit, len(row.tokens))
+              for row in rows]
+        # 2 propose
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        if self.proposer is not None:
+            drafts = self.proposer.propose(rows, ks)
+        else:
+            drafts = [no_draft(self.target.vocab_size, self.device)] * len(rows)
+        synchronize(self.device)
+        t1 = time.perf_counter()
+        # 3 score: one target call over every row's pending token(s) and drafts. A draft id the
+        # target cannot embed is fed as 0: the verifier rejects it, and what follows is discarded.
+        draft_ids = [d.tokens.tolist() for d in drafts]
+        embeddable = self.target.num_embeddings
+        feeds = [row.pending + [t if t < embeddable else 0 for t in ids] for row, ids in zip(rows, draft_ids)]
+        width = max(len(ids) for ids in draft_ids) + 1
+        logits = self.target.forward(feeds, width)  # [B, width, V]
+        synchronize(self.device)
+        t2 = time.perf_counter()
+        # 4 accept and 5 commit, row by row with each row's generator
+        accepted, new_tokens = [], []
+        for b, (row, draft, ids) in enumerate(zip(rows, drafts, draft_ids)):
+            k = len(ids)
+            n, token = accept(draft.tokens, draft.probs if k else None, logits[b, width - k - 1:], row.config,
+                              row.generator)
+            new = ids[:n] + [token]
+            origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]
+            events = outputs[row.request_id].events
+            for token_id, origin in zip(new, origins):
+                events.append(row.out.push(token_id, origin))
+                if row.out.finish_reason is not None:
+                    break
+            # 6 record
+            self._record(row, draft, ks[b], n, len(events), t1 - t0, t2 - t1)
+            row.tokens += new
+            row.pending = [token]
+            accepted.append(n)
+            new_tokens.append(new)
+        self.target.truncate([len(row.tokens) - 1 for row in rows])
+        if self.proposer is not None:
+            self.proposer.commit(accepted, new_tokens)
+        self._leave([row for row in rows if row.out.finish_reason is not None], outputs)
+        return list(outputs.values())
+
+    @staticmethod
+    def _record(row: _Row, draft: Draft, planned: int, n: int, emitted: int, draft_s: float,
+                target_s: float) -> None:
+        k = len(draft.tokens)
+        stats = row.stats
+        stats.num_target_calls += 1
+        stats.time_target_s += target_s
+        if k:
+            stats.time_draft_s += draft_s
+        stats.num_draft_calls += draft.forwards
+        stats.num_lookup_steps += int(draft.lookup)
+        stats.record_step(k, n, emitted)
+        row.policy.record(planned, k, n, draft.forwards)
+
+    def _admit(self) -> None:
+        while self.waiting and (self.capacity is None or len(self.running) < self.capacity):
+            request_id, request = self.waiting.popleft()
+            encoder_input = request.encoder_input_ids
+            self.target.add_row(encoder_input)
+            if self.proposer is not None:
+                self.proposer.add_row(request.prompt_ids, encoder_input)
+            self.running.append(_Row(request_id, request, self.tokenizer, self.proposer is not None, self.device))
+
+    def _leave(self, rows: list[_Row], outputs: dict[int, StepOutput] | None = None) -> None:
+        """Finished or aborted rows leave the batch: their cache rows go, so later steps cost less."""
+        if not rows:
+            return
+        gone = {id(row) for row in rows}
+        keep = [b for b, row in enumerate(self.running) if id(row) not in gone]
+        self.target.select(keep)
+        if self.proposer is not None:
+            self.proposer.select(keep)
+        self.running = [self.running[b] for b in keep]
+        if outputs is not None:
+            for row in rows:
+                outputs[row.request_id].result = row.result()

@@ -1,0 +1,62 @@
+"""Step 4's token-by-token commit for one request: EOS, stop strings, max_new_tokens (DESIGN.md
+rule 4). Nothing after a stop is returned, streamed or counted."""
+
+from __future__ import annotations
+
+from specdecode.engine.request import DecodeConfig, TokenEvent
+from specdecode.engine.text import IncrementalDetokenizer, StopStrings
+
+
+class Output:
+    """The tokens and text a request has emitted, and why it finished (None while running).
+
+    Args:
+        config: the request's limits and stops.  tokenizer: for text and stop strings; None
+            decodes ids only (text is "").  prompt_ids: the prompt, for the detokenizer's context.
+    """
+
+    def __init__(self, config: DecodeConfig, tokenizer, prompt_ids: list[int]):
+        self.config = config
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+        self.stops = StopStrings(list(config.stop)) if config.stop else None
+        self.token_ids: list[int] = []
+        self.origins: list[str] = []
+        self.text_parts: list[str] = []
+        self.finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def push(self, token_id: int, origin: str) -> TokenEvent:
+        """Emit one token; sets finish_reason when it ends the output."""
+        self.token_ids.append(token_id)
+        self.origins.append(origin)
+        is_eos = token_id in self.config.eos_token_ids
+        text = self.detok.push(token_id) if self.detok is not None and not is_eos else ""
+        if is_eos:
+            self.finish_reason = "eos"
+        if self.stops is not None:
+            text, stopped = self.stops.push(text)
+            if stopped:
+                self.finish_reason = "stop"
+        if self.finish_reason is None and len(self.token_ids) >= self.config.max_new_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason in ("eos", "length"):
+            text += self._flush()
+        self.text_parts.append(text)
+        return TokenEvent(token_id, text, origin)
+
+    def finish(self, reason: str) -> str:
+        """End the output from outside (context full, abort); returns the text held back."""
+        self.finish_reason = reason
+        text = self._flush() if reason == "length" else ""
+        self.text_parts.append(text)
+        return text
+
+    def _flush(self) -> str:
+        text = self.detok.flush() if self.detok is not None else ""
+        if self.stops is not None:
+            text, _ = self.stops.push(text)
+            text += self.stops.flush()
+        return text

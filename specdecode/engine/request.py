@@ -1,0 +1,72 @@
+"""What a request asks for and what it gets back: the engine's inputs and outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdecode.engine.stats import GenerationStats
+from specdecode.sampling import SamplingParams
+
+# Where each emitted token came from (the colours of the paper's Figure 1): a draft token the
+# target accepted, the target's correction after a rejection, the bonus token after a fully
+# accepted block, and a token of a step that drafted nothing (plain decoding).
+ACCEPTED, CORRECTED, BONUS, TARGET = "accepted", "corrected", "bonus", "target"
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How one request is decoded.
+
+    max_new_tokens: at most this many new tokens (>= 1).
+    sampling: the request's SamplingParams; its seed gives the request its own generator (rule 7).
+    num_speculative_tokens: γ_max, the most drafts per target call; 0 decodes plainly.
+    eos_token_ids: tokens that end the output (included in token_ids, not in the text).
+    stop: strings that end the output (excluded from the text, also when they span tokens).
+    lenience: 1 is exact; l < 1 is the lossy rule of paper A.5 (stats.lossy).
+    costs: (c, verify slope) in target calls for the guard (engine.guard, Cor. 3.9): pause
+        drafting while it does not pay; None speculates on every step.
+    gamma_schedule: "fixed" drafts up to γ_max every step; "adaptive" starts at min(4, γ_max),
+        adds 2 after a block whose planned drafts were all accepted and drops 1 otherwise
+        (within [1, γ_max]). Any rule that looks only at the past is exact (§2.3 holds step by step).
+    """
+
+    max_new_tokens: int
+    sampling: SamplingParams
+    num_speculative_tokens: int = 0
+    eos_token_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()
+    lenience: float = 1.0
+    costs: tuple[float, float] | None = None
+    gamma_schedule: str = "fixed"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation: the prompt ids (verbatim; for an encoder–decoder model the decoder prompt,
+    [decoder_start_token_id]), how to decode, and an encoder–decoder model's encoder input."""
+
+    prompt_ids: tuple[int, ...] | list[int]
+    config: DecodeConfig
+    encoder_input_ids: tuple[int, ...] | list[int] | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One emitted token, as streamed: its id, the text it completes, where it came from."""
+
+    token_id: int
+    text: str
+    origin: str
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # new tokens only (an EOS that ended the output is included)
+    finish_reason: str    # "stop" | "length" | "eos" | "abort"
+    stats: GenerationStats
+    origins: list[str]    # per token: accepted | corrected | bonus | target
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "stats": self.stats.to_dict()}

@@ -1,0 +1,136 @@
+"""Loading models at the boundary: names, paths and hub ids → (model, tokenizer), checked before
+anything heavy happens; dtypes and devices parsed; the pair's tokenizers compared (rule 6)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Callable
+
+import torch
+
+from specdecode.models import zoo
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    """None → bfloat16 (a k-token verify costs about one step there; DESIGN.md §8)."""
+    if dtype is None:
+        return torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _hub_reachable(host: str = "huggingface.co") -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    try:
+        socket.getaddrinfo(host, 443)
+        return True
+    except OSError:
+        return False
+
+
+def check_model_spec(spec) -> None:
+    """Fail fast, before any model is loaded, on a spec that cannot load here.
+
+    Raises:
+        ValueError: not a zoo name, not an existing directory, and (for a hub id) no local copy
+            in the Hugging Face cache while the hub is unreachable.
+    """
+    if isinstance(spec, torch.nn.Module) or spec in zoo.ZOO:
+        return
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"model must be a zoo name, a local path or a hub id, got {spec!r}")
+    if os.path.isdir(spec):
+        return
+    looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") > 1 or os.sep + os.sep in spec
+    if looks_like_path:
+        raise ValueError(f"model path {spec!r} does not exist. Known offline models: {', '.join(zoo.ZOO)}")
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(spec, "config.json"), str) and not _hub_reachable():
+        raise ValueError(
+            f"cannot load model {spec!r}: it is not in the local Hugging Face cache and the hub is "
+            f"unreachable from here. Known offline models: {', '.join(zoo.ZOO)}; or pass a local "
+            "directory saved with save_pretrained.")
+
+
+def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None = None):
+    """A zoo name, a local directory or a hub id → (model, tokenizer, name). A config with
+    is_encoder_decoder (T5, BART, ...) loads through AutoModelForSeq2SeqLM, others as causal LMs.
+
+    Raises:
+        ValueError: the model cannot be found or loaded here (the message says what to do).
+    """
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSeq2SeqLM,
+        AutoTokenizer,
+    )
+
+    check_model_spec(spec)
+    if spec in zoo.ZOO:
+        model, tokenizer = zoo.load_zoo_model(spec, dtype, progress)
+        return model, tokenizer, spec
+    if progress:
+        progress(f"loading {spec}")
+    try:
+        seq2seq = getattr(AutoConfig.from_pretrained(spec), "is_encoder_decoder", False)
+        auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+        model = auto.from_pretrained(spec, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(spec)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot load model {spec!r}: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+    return model.eval(), tokenizer, spec
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:
+    """Raises ValueError if the two tokenizers map any string to different ids (DESIGN.md rule 6)."""
+    if target_tokenizer is draft_tokenizer:
+        return
+    if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+        raise ValueError(
+            f"draft tokenizer ({draft_name!r}) differs from target tokenizer ({target_name!r}); "
+            "pick a draft from the target's family, or pass draft=None")
+
+
+def parse_device(device, model=None) -> torch.device:
+    """None → where a passed model already is, else the CPU; "cpu", "cuda", "cuda:N", "mps".
+
+    Raises:
+        ValueError: an unknown device string or one that is not available here.
+    """
+    if device is None:
+        if isinstance(model, torch.nn.Module):
+            return next(model.parameters()).device
+        return torch.device("cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use None, 'cpu', 'cuda', 'cuda:N' or 'mps'") from None
+    if parsed.type == "cuda" and (not torch.cuda.is_available()
+                                  or (parsed.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"device {device!r} is not available here (torch sees "
+                         f"{torch.cuda.device_count()} CUDA devices); use device='cpu'")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r} is not available here; use device='cpu'")
+    if parsed.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"unsupported device {device!r}; use None, 'cpu', 'cuda', 'cuda:N' or 'mps'")
+    return parsed
+
+
+def eos_token_ids(model, tokenizer) -> frozenset[int]:
+    """The ids that end generation: the model's generation config's and the tokenizer's."""
+    ids = set()
+    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return frozenset(ids)
