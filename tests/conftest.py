@@ -1,7 +1,4 @@
 import pytest
-import torch
-
-from specdecode.models import TableModel
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +20,7 @@ def char_tokenizer():
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory, request):
     """Saved tiny models: Target and draft (same char tokenizer) and an 'alien' model with another tokenizer."""
-    from test_transformers import tiny_llama
+    from helpers import tiny_llama
 
     char_tokenizer = request.getfixturevalue("char_tokenizer")
     root = tmp_path_factory.mktemp("models")
@@ -40,32 +37,3 @@ def model_dirs(tmp_path_factory, request):
     alien_tok.save_pretrained(root / "alien")
     dirs["alien"] = str(root / "alien")
     return dirs
-
-
-def table_pair(vocab_size=6, order=2, target_seed=0, draft_seed=1, **kw):
-    return TableModel(vocab_size, order, target_seed, **kw), TableModel(vocab_size, order, draft_seed, **kw)
-
-
-def random_probs(shape, generator, zero_frac=0.0):
-    logits = torch.randn(shape, generator=generator) * 2
-    probs = torch.softmax(logits, -1)
-    if zero_frac:
-        mask = torch.rand(shape, generator=generator) < zero_frac
-        mask[..., 0] = False  # keep at least one entry
-        probs = probs.masked_fill(mask, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def chi2_pvalue(observed, probs):
-    """Chi-square goodness-of-fit p-value of counts against probabilities (categories with
-    zero probability must have zero counts, else the p-value is 0)."""
-    from scipy.stats import chisquare
-
-    observed = torch.as_tensor(observed, dtype=torch.float64)
-    probs = torch.as_tensor(probs, dtype=torch.float64)
-    if (observed[probs == 0] > 0).any():
-        return 0.0
-    keep = probs > 0
-    expected = probs[keep] / probs[keep].sum() * observed.sum()
-    return float(chisquare(observed[keep].numpy(), expected.numpy()).pvalue)

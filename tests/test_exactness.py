@@ -1,71 +1,14 @@
 """Whole sequences: Algorithm 1 repeated, and the real decoding loop, give the target's
 distribution over sequences (paper §2.3, A.1 applied position by position)."""
 
-import itertools
-from collections import Counter
-
 import pytest
-import torch
 
-from specdecode.engine.driver import run
-from specdecode.engine.request import DecodeConfig
 from specdecode.models import TableModel
-from specdecode.proposers import Draft, DraftModelProposer, NGramModel, NGramProposer, PromptLookupProposer
-from specdecode.sampling import SamplingParams, adjust
-from specdecode.verify import acceptance_probs, residual_distribution
+from specdecode.proposers import DraftModelProposer, NGramModel, NGramProposer, PromptLookupProposer
+from specdecode.sampling import SamplingParams
 
-from conftest import chi2_pvalue
-
-
-def target_sequence_probs(target, prompt, length, params):
-    """P(s_1..s_L) = Π p(s_i | prompt + s_<i), over all sequences (chain rule)."""
-    probs = {}
-    for seq in itertools.product(range(target.vocab_size), repeat=length):
-        prob = 1.0
-        for i in range(length):
-            prob *= float(adjust(target.logits_for(prompt + list(seq[:i])), params)[seq[i]])
-        probs[seq] = prob
-    return probs
-
-
-def speculative_sequence_probs(target, draft, prompt, length, k, params, lenience=1.0):
-    """Exact distribution of the first `length` tokens emitted by Algorithm 1, enumerating every
-    draft block and every accept/reject outcome, with γ clipped to the tokens still wanted
-    (lenience < 1: the lossy acceptance min(1, p/(l·q)) of paper A.5, residual unchanged)."""
-    out = Counter()
-
-    def step(emitted, prob):
-        if len(emitted) >= length:
-            out[tuple(emitted[:length])] += prob
-            return
-        prefix = prompt + emitted
-        k_step = min(k, length - len(emitted) - 1)
-        for drafts in itertools.product(range(draft.vocab_size), repeat=k_step):
-            q = [adjust(draft.logits_for(prefix + list(drafts[:i])), params) for i in range(k_step)]
-            p = [adjust(target.logits_for(prefix + list(drafts[:i])), params) for i in range(k_step + 1)]
-            q_block = 1.0
-            for i in range(k_step):
-                q_block *= float(q[i][drafts[i]])
-            if q_block == 0:
-                continue
-            a = [float(acceptance_probs(torch.tensor([[drafts[i]]]), q[i].view(1, 1, -1), p[i].view(1, 1, -1), lenience))
-                 for i in range(k_step)]
-            accept_prefix = 1.0
-            for n in range(k_step + 1):
-                if n < k_step:
-                    p_n = accept_prefix * (1 - a[n])
-                    next_dist = residual_distribution(p[n], q[n])
-                else:
-                    p_n = accept_prefix
-                    next_dist = p[k_step]
-                for t in range(target.vocab_size):
-                    if p_n * next_dist[t] > 0:
-                        step(emitted + list(drafts[:n]) + [t], prob * q_block * p_n * float(next_dist[t]))
-                if n < k_step:
-                    accept_prefix *= a[n]
-
-    step([], 1.0)
-    return out
+from helpers import (MislabelledProposer, chi2_pvalue, loop_sequence_counts, speculative_sequence_probs,
+                     target_sequence_probs)
 
 
 @pytest.mark.parametrize("vocab,k,length", [(3, 2, 3), (3, 3, 4), (4, 2, 3)])
@@ -80,28 +23,6 @@ def test_speculative_sequence_distribution_equals_target(vocab, k, length, param
     got = speculative_sequence_probs(target, draft, prompt, length, k, params)
     for seq, prob in expected.items():
         assert abs(got.get(seq, 0.0) - prob) < 1e-6, (seq, got.get(seq, 0.0), prob)
-
-
-class MislabelledProposer(DraftModelProposer):
-    """A broken proposer: samples from the draft but reports uniform q (violates rule 1)."""
-
-    def propose(self, k):
-        draft = super().propose(k)
-        return Draft(draft.tokens, torch.full_like(draft.probs, 1.0 / draft.probs.shape[-1]))
-
-
-def loop_sequence_counts(make_proposer, params, runs, vocab=4, k=3, length=3, **options):
-    target = TableModel(vocab, order=2, seed=20, sharpness=1.5)
-    draft = TableModel(vocab, order=2, seed=21, sharpness=1.5)
-    counts = Counter()
-    for seed in range(runs):
-        config = DecodeConfig(max_new_tokens=length, sampling=SamplingParams(
-            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed),
-            num_speculative_tokens=k, **options)
-        counts[tuple(run(target, make_proposer(draft), [1, 2], config).token_ids)] += 1
-    expected = target_sequence_probs(target, [1, 2], length, params)
-    seqs = sorted(expected)
-    return [counts[s] for s in seqs], [expected[s] for s in seqs]
 
 
 STAT_PARAMS = [SamplingParams(), SamplingParams(top_k=3), SamplingParams(top_p=0.9)]

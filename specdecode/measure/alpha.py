@@ -32,31 +32,30 @@ DRAFTS = ("draft model", "bigram", "unigram", "prompt lookup", "uniform")
 
 
 class RecordingBackend:
-    """A backend wrapper that keeps, for each position, the logits that predicted its token.
+    """A one-row backend wrapper that keeps, for each position, the logits that predicted its token.
 
     `logits[i]` is the [V] row computed after tokens[:i]; rows past a truncate are dropped, so
     after a run the rows of the committed text are exactly the p its tokens were drawn from.
+    Everything but forward, truncate and reset is the wrapped backend's.
     """
 
     def __init__(self, backend):
         self.backend = backend
         self.logits: dict[int, torch.Tensor] = {}
-        self.vocab_size, self.max_length = backend.vocab_size, backend.max_length
 
-    @property
-    def length(self) -> int:
-        return self.backend.length
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
 
-    def forward(self, tokens: torch.Tensor, num_logits: int) -> torch.Tensor:
-        out = self.backend.forward(tokens, num_logits)
-        end = self.backend.length
-        for i in range(num_logits):
-            self.logits[end - num_logits + i + 1] = out[i]
+    def forward(self, feeds: list[list[int]], num_logits: int) -> torch.Tensor:
+        out = self.backend.forward(feeds, num_logits)
+        end = self.backend.lengths[0]
+        for i in range(min(num_logits, len(feeds[0]))):
+            self.logits[end - num_logits + i + 1] = out[0, i]
         return out
 
-    def truncate(self, length: int) -> None:
-        self.backend.truncate(length)
-        self.logits = {i: row for i, row in self.logits.items() if i <= length}
+    def truncate(self, lengths: list[int]) -> None:
+        self.backend.truncate(lengths)
+        self.logits = {i: row for i, row in self.logits.items() if i <= lengths[0]}
 
     def reset(self) -> None:
         self.backend.reset()
@@ -93,7 +92,8 @@ def lookup_q(sequence: list[int], start: int, vocab_size: int, max_ngram: int = 
 def draft_model_q(backend, sequence: list[int], start: int, sampling: SamplingParams) -> torch.Tensor:
     """The draft's adjusted q after each prefix sequence[:i], i = start..len-1: [n, V_draft]."""
     backend.reset()
-    logits = backend.forward(torch.tensor(sequence[:-1], dtype=torch.long), len(sequence) - start)
+    backend.add_row()
+    logits = backend.forward([sequence[:-1]], len(sequence) - start)[0]
     backend.reset()
     return adjust(logits, sampling)
 

@@ -10,20 +10,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from specdecode.batch import decode_batch
-from specdecode.decoding import DecodeConfig
-from specdecode.models import BatchedTableModel, HFBatchedCausalLM, HFCausalLM, TableModel
+from specdecode.engine.driver import run_all
+from specdecode.engine.request import DecodeConfig, Request
+from specdecode.proposers import DraftModelProposer
 from specdecode.sampling import SamplingParams
-
-
-def as_batched(backend):
-    """A batched backend for `backend`: HFCausalLM → HFBatchedCausalLM over the same model (and
-    LM-head limit), TableModel → BatchedTableModel; batched backends are returned as they are."""
-    if isinstance(backend, HFCausalLM):
-        return HFBatchedCausalLM(backend.model, backend.vocab_size)
-    if isinstance(backend, TableModel):
-        return BatchedTableModel(backend)
-    return backend
 
 
 def batch_throughput(target_backend, draft_backend, prompt_ids: list[list[int]], batch_sizes: list[int],
@@ -36,8 +26,8 @@ def batch_throughput(target_backend, draft_backend, prompt_ids: list[list[int]],
     seed + i. Only one run per setting: warm the models up before calling for stable numbers.
 
     Args:
-        target_backend, draft_backend: HFCausalLM / TableModel or their batched forms;
-            draft_backend None measures plain decoding only.
+        target_backend, draft_backend: backends (specdecode.models); draft_backend None
+            measures plain decoding only.
         prompt_ids: non-empty lists of token ids.  batch_sizes: integers >= 1.
         new_tokens: tokens per row (>= 1).  gamma: γ, drafts per step (>= 1).
         sampling: the sampling settings of every row.  draft_confidence: dynamic γ, in [0, 1).
@@ -56,18 +46,17 @@ def batch_throughput(target_backend, draft_backend, prompt_ids: list[list[int]],
         raise ValueError(f"batch_sizes must be integers >= 1, got {batch_sizes!r}")
     if new_tokens < 1 or gamma < 1:
         raise ValueError(f"new_tokens and gamma must be >= 1, got {new_tokens} and {gamma}")
-    target = as_batched(target_backend)
-    draft = as_batched(draft_backend) if draft_backend is not None else None
-    methods = [("plain", None)] + ([("speculative", draft)] if draft is not None else [])
+    methods = ["plain"] + (["speculative"] if draft_backend is not None else [])
     rows = []
     for batch_size in batch_sizes:
         prompts = [list(prompt_ids[i % len(prompt_ids)]) for i in range(batch_size)]
         configs = [DecodeConfig(max_new_tokens=new_tokens, num_speculative_tokens=gamma, sampling=dataclasses.replace(
             sampling, seed=None if sampling.seed is None else sampling.seed + i)) for i in range(batch_size)]
         plain_wall = None
-        for method, proposer in methods:
+        for method in methods:
+            proposer = DraftModelProposer(draft_backend, draft_confidence) if method == "speculative" else None
             start = time.perf_counter()
-            results = decode_batch(target, proposer, prompts, configs, draft_confidence=draft_confidence)
+            results = run_all(target_backend, proposer, [Request(p, c) for p, c in zip(prompts, configs)])
             wall = time.perf_counter() - start
             plain_wall = wall if plain_wall is None else plain_wall
             drafted = sum(r.stats.num_drafted for r in results)

@@ -42,27 +42,20 @@ BATCH_GAMMA = 4
 class NoEOS:
     """A backend whose logits never allow the EOS ids: what transformers' `min_new_tokens` does to
     the target and to the assistant, so every side writes the same kind of text for exactly
-    `new_tokens` tokens (instead of ours running on past an EOS that transformers forbids)."""
+    `new_tokens` tokens (instead of ours running on past an EOS that transformers forbids).
+    Everything but forward is the wrapped backend's."""
 
     def __init__(self, backend, eos_token_ids):
         self.backend = backend
         self.eos = [i for i in eos_token_ids if i < backend.vocab_size]
-        self.vocab_size, self.max_length = backend.vocab_size, backend.max_length
 
-    @property
-    def length(self) -> int:
-        return self.backend.length
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
 
-    def forward(self, tokens: torch.Tensor, num_logits: int) -> torch.Tensor:
-        logits = self.backend.forward(tokens, num_logits).clone()  # inference tensors are read-only
-        logits[:, self.eos] = float("-inf")
+    def forward(self, feeds: list[list[int]], num_logits: int) -> torch.Tensor:
+        logits = self.backend.forward(feeds, num_logits).clone()  # inference tensors are read-only
+        logits[..., self.eos] = float("-inf")
         return logits
-
-    def truncate(self, length: int) -> None:
-        self.backend.truncate(length)
-
-    def reset(self) -> None:
-        self.backend.reset()
 
 
 def _hf_runner(model, new_tokens: int, sampling: SamplingParams, pad_id: int, eos_token_ids, assistant=None,

@@ -1,0 +1,157 @@
+"""Shared test helpers: tiny models, exact sequence distributions, a chi-square test, and a
+proposer that breaks the protocol on purpose. Test files import from here, never from each other."""
+
+import dataclasses
+import itertools
+from collections import Counter
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdecode.engine.driver import Driver, run
+from specdecode.engine.engine import Engine
+from specdecode.engine.request import DecodeConfig, Request
+from specdecode.models import TableModel
+from specdecode.proposers import DraftModelProposer
+from specdecode.sampling import SamplingParams, adjust
+from specdecode.verify import acceptance_probs, residual_distribution
+
+# --- tiny float32 Llamas ---------------------------------------------------------------------------
+
+VOCAB = 96
+PROMPT = [5, 17, 33, 2, 71, 40, 8]
+
+
+def tiny_llama(seed, layers=2, hidden=64, vocab=VOCAB):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
+                         pad_token_id=None, tie_word_embeddings=False)
+    return LlamaForCausalLM(config).eval()
+
+
+def greedy(n):
+    return DecodeConfig(max_new_tokens=n, sampling=SamplingParams(temperature=0), num_speculative_tokens=0)
+
+
+def single_row_logits(backend, sequence, num_logits):
+    """[num_logits, V]: the backend's logits after each of the last num_logits tokens of
+    `sequence`, computed in one row from an empty cache."""
+    backend.reset()
+    backend.add_row()
+    return backend.forward([list(sequence)], num_logits)[0]
+
+
+# --- driving the engine ----------------------------------------------------------------------------
+
+def decode(target, proposer, prompt_ids, config, tokenizer=None):
+    """One request's TokenEvents as they come; the generator's return value is its result."""
+    driver = Driver(Engine(target, proposer, tokenizer))
+    return driver.stream(driver.submit(Request(prompt_ids, config), keep_events=True))
+
+
+# --- statistics ------------------------------------------------------------------------------------
+
+def random_probs(shape, generator, zero_frac=0.0):
+    logits = torch.randn(shape, generator=generator) * 2
+    probs = torch.softmax(logits, -1)
+    if zero_frac:
+        mask = torch.rand(shape, generator=generator) < zero_frac
+        mask[..., 0] = False  # keep at least one entry
+        probs = probs.masked_fill(mask, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def chi2_pvalue(observed, probs):
+    """Chi-square goodness-of-fit p-value of counts against probabilities (categories with
+    zero probability must have zero counts, else the p-value is 0)."""
+    from scipy.stats import chisquare
+
+    observed = torch.as_tensor(observed, dtype=torch.float64)
+    probs = torch.as_tensor(probs, dtype=torch.float64)
+    if (observed[probs == 0] > 0).any():
+        return 0.0
+    keep = probs > 0
+    expected = probs[keep] / probs[keep].sum() * observed.sum()
+    return float(chisquare(observed[keep].numpy(), expected.numpy()).pvalue)
+
+
+# --- exact sequence distributions of table models ---------------------------------------------------
+
+def target_sequence_probs(target, prompt, length, params):
+    """P(s_1..s_L) = Π p(s_i | prompt + s_<i), over all sequences (chain rule)."""
+    probs = {}
+    for seq in itertools.product(range(target.vocab_size), repeat=length):
+        prob = 1.0
+        for i in range(length):
+            prob *= float(adjust(target.logits_for(prompt + list(seq[:i])), params)[seq[i]])
+        probs[seq] = prob
+    return probs
+
+
+def speculative_sequence_probs(target, draft, prompt, length, k, params, lenience=1.0):
+    """Exact distribution of the first `length` tokens emitted by Algorithm 1, enumerating every
+    draft block and every accept/reject outcome, with γ clipped to the tokens still wanted
+    (lenience < 1: the lossy acceptance min(1, p/(l·q)) of paper A.5, residual unchanged)."""
+    out = Counter()
+
+    def step(emitted, prob):
+        if len(emitted) >= length:
+            out[tuple(emitted[:length])] += prob
+            return
+        prefix = prompt + emitted
+        k_step = min(k, length - len(emitted) - 1)
+        for drafts in itertools.product(range(draft.vocab_size), repeat=k_step):
+            q = [adjust(draft.logits_for(prefix + list(drafts[:i])), params) for i in range(k_step)]
+            p = [adjust(target.logits_for(prefix + list(drafts[:i])), params) for i in range(k_step + 1)]
+            q_block = 1.0
+            for i in range(k_step):
+                q_block *= float(q[i][drafts[i]])
+            if q_block == 0:
+                continue
+            a = [float(acceptance_probs(torch.tensor([[drafts[i]]]), q[i].view(1, 1, -1), p[i].view(1, 1, -1), lenience))
+                 for i in range(k_step)]
+            accept_prefix = 1.0
+            for n in range(k_step + 1):
+                if n < k_step:
+                    p_n = accept_prefix * (1 - a[n])
+                    next_dist = residual_distribution(p[n], q[n])
+                else:
+                    p_n = accept_prefix
+                    next_dist = p[k_step]
+                for t in range(target.vocab_size):
+                    if p_n * next_dist[t] > 0:
+                        step(emitted + list(drafts[:n]) + [t], prob * q_block * p_n * float(next_dist[t]))
+                if n < k_step:
+                    accept_prefix *= a[n]
+
+    step([], 1.0)
+    return out
+
+
+def loop_sequence_counts(make_proposer, params, runs, vocab=4, k=3, length=3, **options):
+    """Counts of the first `length` tokens over `runs` seeded runs of the engine (seeds 0..runs-1),
+    and the target's exact probabilities of the same sequences, in the same order."""
+    target = TableModel(vocab, order=2, seed=20, sharpness=1.5)
+    draft = TableModel(vocab, order=2, seed=21, sharpness=1.5)
+    counts = Counter()
+    for seed in range(runs):
+        config = DecodeConfig(max_new_tokens=length, sampling=SamplingParams(
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed),
+            num_speculative_tokens=k, **options)
+        counts[tuple(run(target, make_proposer(draft), [1, 2], config).token_ids)] += 1
+    expected = target_sequence_probs(target, [1, 2], length, params)
+    seqs = sorted(expected)
+    return [counts[s] for s in seqs], [expected[s] for s in seqs]
+
+
+# --- a broken proposer -------------------------------------------------------------------------------
+
+class MislabelledProposer(DraftModelProposer):
+    """A broken proposer: samples from the draft but reports uniform q (violates rule 1)."""
+
+    def propose(self, rows, ks):
+        return [dataclasses.replace(draft, probs=torch.full_like(draft.probs, 1.0 / draft.probs.shape[-1]))
+                for draft in super().propose(rows, ks)]

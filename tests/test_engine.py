@@ -1,0 +1,165 @@
+"""The engine's step API (add / step / abort): rows that join and leave between steps, each
+exactly what it would be alone (DESIGN.md rule 7), caches that hold exactly the committed prefix
+after every step (rule 5), on table models (exact logits) and tiny float32 Llamas."""
+
+import math
+
+import pytest
+import torch
+
+from helpers import tiny_llama
+from specdecode import SamplingParams
+from specdecode.engine.driver import Driver, run, run_all
+from specdecode.engine.engine import Engine
+from specdecode.engine.request import DecodeConfig, Request
+from specdecode.models import HFCausalLM, TableModel
+from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device here")])]
+
+
+def config(n=24, temperature=0.0, seed=None, k=3, **kw):
+    return DecodeConfig(max_new_tokens=n, sampling=SamplingParams(temperature=temperature, seed=seed),
+                        num_speculative_tokens=k, **kw)
+
+
+def tables(vocab=8):
+    return TableModel(vocab, seed=0, sharpness=1.0), TableModel(vocab, seed=1, sharpness=1.0)
+
+
+MIXED = [config(temperature=0.0), config(temperature=0.7, seed=11), config(temperature=0.0, k=5),
+         config(temperature=1e-6, seed=3), config(temperature=1.0, seed=5, k=1)]
+PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 1, 2], [3, 3], [2, 7, 1]]
+
+
+def solo(target, draft, prompt, cfg, **kw):
+    return run(target, DraftModelProposer(draft, **kw), prompt, cfg)
+
+
+def test_mixed_temperatures_in_one_batch_each_equal_their_solo_runs_without_nan():
+    target, draft = tables()
+    batch = run_all(target, DraftModelProposer(draft), [Request(p, c) for p, c in zip(PROMPTS, MIXED)])
+    for prompt, cfg, got in zip(PROMPTS, MIXED, batch):
+        alone = solo(target, draft, prompt, cfg)
+        assert got.token_ids == alone.token_ids
+        assert got.stats.num_accepted == alone.stats.num_accepted
+        assert len(got.token_ids) == cfg.max_new_tokens and not math.isnan(got.stats.acceptance_rate)
+    # the near-zero temperature row samples, but as surely as greedy would
+    greedy = solo(target, draft, PROMPTS[3], config())
+    assert batch[3].token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_temperatures_with_tiny_llamas_each_equal_their_solo_runs(device):
+    target = HFCausalLM(tiny_llama(0).to(device))
+    draft = HFCausalLM(tiny_llama(1, layers=1).to(device))
+    prompts = [[5, 17, 33, 2], [9, 9, 41], [70, 3, 3, 8, 1, 2], [11]]
+    cfgs = [config(16), config(16, temperature=1e-6, seed=1), config(16, k=5), config(16, k=1)]
+    batch = run_all(target, DraftModelProposer(draft), [Request(p, c) for p, c in zip(prompts, cfgs)])
+    for prompt, cfg, got in zip(prompts, cfgs, batch):
+        assert got.token_ids == run(target, None, prompt, cfg).token_ids  # = plain greedy alone
+
+
+def test_a_row_that_joins_mid_flight_equals_its_solo_run():
+    target, draft = tables()
+    engine = Engine(target, DraftModelProposer(draft))
+    driver = Driver(engine)
+    first = driver.submit(Request(PROMPTS[0], MIXED[1]))
+    for _ in range(3):
+        driver.step()
+    assert len(engine.running) == 1 and len(engine.running[0].tokens) > len(PROMPTS[0])
+    late = driver.submit(Request(PROMPTS[2], MIXED[4]))
+    assert driver.result(late).token_ids == solo(target, draft, PROMPTS[2], MIXED[4]).token_ids
+    assert driver.result(first).token_ids == solo(target, draft, PROMPTS[0], MIXED[1]).token_ids
+
+
+def test_an_aborted_row_frees_its_slot_and_changes_no_other_row():
+    target, draft = tables()
+    engine = Engine(target, DraftModelProposer(draft), max_batch_size=2)
+    driver = Driver(engine)
+    ids = [driver.submit(Request(p, c)) for p, c in zip(PROMPTS[:3], MIXED[:3])]
+    driver.step()
+    driver.step()
+    assert [row.request_id for row in engine.running] == ids[:2] and len(engine.waiting) == 1
+    aborted = engine.abort(ids[0])
+    assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < MIXED[0].max_new_tokens
+    assert target.num_rows == 1 and draft.num_rows == 1
+    driver.step()  # the waiting request takes the freed slot
+    assert [row.request_id for row in engine.running] == ids[1:]
+    for request_id, prompt, cfg in zip(ids[1:], PROMPTS[1:3], MIXED[1:3]):
+        assert driver.result(request_id).token_ids == solo(target, draft, prompt, cfg).token_ids
+    assert not engine.has_work and target.num_rows == 0 and engine.abort(ids[0]) is None
+
+
+def test_aborting_a_waiting_request_never_runs_it():
+    target, draft = tables()
+    engine = Engine(target, DraftModelProposer(draft), max_batch_size=1)
+    a, b = engine.add(Request(PROMPTS[0], MIXED[0])), engine.add(Request(PROMPTS[1], MIXED[1]))
+    assert engine.abort(b).token_ids == []
+    while engine.has_work:
+        engine.step()
+    assert engine.abort(a) is None
+
+
+def test_guard_adaptive_gamma_and_prompt_lookup_run_per_row_inside_a_batch():
+    # A repetitive prompt gives lookup hits; a draft unlike the target with a high c makes the
+    # guard pause; the adaptive schedule moves γ per row. Every row still equals its solo run.
+    target, _ = tables()
+    bad_draft = TableModel(8, seed=7, sharpness=4.0)
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6], [7, 1, 7, 1, 7]]
+    cfgs = [config(40, costs=(0.5, 0.0), gamma_schedule="adaptive", k=6),
+            config(40, temperature=1.0, costs=(0.5, 0.0), k=4),
+            config(40, gamma_schedule="adaptive", k=8)]
+
+    def proposer():
+        return PromptLookupProposer(8, fallback=DraftModelProposer(bad_draft))
+
+    batch = run_all(target, proposer(), [Request(p, c) for p, c in zip(prompts, cfgs)])
+    for prompt, cfg, got in zip(prompts, cfgs, batch):
+        alone = run(target, proposer(), prompt, cfg)
+        assert got.token_ids == alone.token_ids
+        assert (got.stats.num_drafted, got.stats.num_guard_pauses, got.stats.num_lookup_steps) == \
+               (alone.stats.num_drafted, alone.stats.num_guard_pauses, alone.stats.num_lookup_steps)
+    assert sum(r.stats.num_lookup_steps for r in batch) > 0
+    assert batch[0].stats.num_guard_pauses > 0 and batch[2].stats.num_guard_pauses == 0
+    fixed = run(target, proposer(), prompts[2], config(40, k=8))
+    assert fixed.stats.num_drafted != batch[2].stats.num_drafted  # the schedule did move γ
+
+
+class CheckedEngine(Engine):
+    """After every step: each row's target cache holds its committed sequence minus the one pending
+    token, and the draft's holds it minus its own pending tokens (DESIGN.md rule 5)."""
+
+    def step(self):
+        outputs = super().step()
+        draft = self.proposer.backend
+        assert self.target.lengths == [len(row.tokens) - len(row.pending) for row in self.running]
+        assert all(len(row.pending) == 1 for row in self.running)
+        assert draft.lengths == [len(row.tokens) - len(state.pending)
+                                 for row, state in zip(self.running, self.proposer.rows)]
+        self.steps = getattr(self, "steps", 0) + 1
+        return outputs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_transformers_caches_hold_exactly_the_committed_prefix_after_every_step(device):
+    target = HFCausalLM(tiny_llama(0).to(device), compact_min_dead=0, compact_ratio=0)
+    draft = HFCausalLM(tiny_llama(1, layers=1).to(device))
+    engine = CheckedEngine(target, DraftModelProposer(draft, 0.3), max_batch_size=3)
+    driver = Driver(engine)
+    prompts = [[5, 17, 33, 2], [9, 9, 41, 9, 9, 41], [70, 3], [11, 12, 13]]
+    cfgs = [config(12), config(20, temperature=1.0, seed=4, k=4), config(8, k=2), config(10)]
+    ids = [driver.submit(Request(p, c)) for p, c in zip(prompts, cfgs)]
+    results = [driver.result(i) for i in ids]
+    assert engine.steps > 5 and [len(r.token_ids) for r in results] == [12, 20, 8, 10]
+
+
+def test_a_draft_with_a_smaller_embedding_table_gets_a_placeholder_for_ids_it_cannot_embed():
+    # A target whose vocabulary is padded past the draft's table: prompt ids and target samples
+    # beyond the draft's table must not crash the draft; output is still the target's greedy.
+    target = HFCausalLM(tiny_llama(0, vocab=120))
+    draft = HFCausalLM(tiny_llama(1, layers=1, vocab=96))
+    prompt = [5, 17, 110, 2, 115, 40]
+    spec = run(target, DraftModelProposer(draft), prompt, config(24))
+    assert spec.token_ids == run(target, None, prompt, config(24)).token_ids
