@@ -31,6 +31,17 @@ def tiny_llama(seed, layers=2, hidden=64, vocab=VOCAB):
     return LlamaForCausalLM(config).eval()
 
 
+def tiny_mistral(seed, layers):
+    """A tiny Mistral with an 8-token sliding window (such a backend holds one row: max_rows = 1)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           sliding_window=8, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return MistralForCausalLM(config).eval()
+
+
 def greedy(n):
     return DecodeConfig(max_new_tokens=n, sampling=SamplingParams(temperature=0), num_speculative_tokens=0)
 
@@ -45,10 +56,10 @@ def single_row_logits(backend, sequence, num_logits):
 
 # --- driving the engine ----------------------------------------------------------------------------
 
-def decode(target, proposer, prompt_ids, config, tokenizer=None):
+def decode(target, proposer, prompt_ids, config, tokenizer=None, encoder_input_ids=None):
     """One request's TokenEvents as they come; the generator's return value is its result."""
     driver = Driver(Engine(target, proposer, tokenizer))
-    return driver.stream(driver.submit(Request(prompt_ids, config), keep_events=True))
+    return driver.stream(driver.submit(Request(prompt_ids, config, encoder_input_ids), keep_events=True))
 
 
 # --- statistics ------------------------------------------------------------------------------------

@@ -68,8 +68,12 @@ def test_acceptance_rate_is_one_minus_total_variation():
     assert A.total_variation(p, q).item() == pytest.approx(0.5 * (p - q).abs().sum().item())
 
 
-@pytest.mark.parametrize("call", [lambda: A.expected_tokens(1.2, 3), lambda: A.expected_tokens(0.5, 0),
-                                  lambda: A.walltime_improvement(0.5, 2, -0.1), lambda: A.optimal_gamma(0.5, 0.1, 0)])
-def test_bad_arguments_raise(call):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("call,match", [
+    (lambda: A.expected_tokens(1.2, 3), r"alpha must be in \[0, 1\], got 1.2"),
+    (lambda: A.expected_tokens(0.5, 0), "gamma must be an integer >= 1, got 0"),
+    (lambda: A.walltime_improvement(0.5, 2, -0.1), "c must be >= 0, got -0.1"),
+    (lambda: A.optimal_gamma(0.5, 0.1, 0), "gamma must be an integer >= 1, got 0"),
+])
+def test_bad_arguments_raise(call, match):
+    with pytest.raises(ValueError, match=match):
         call()

@@ -11,9 +11,7 @@ from specdecode import SamplingParams, SpeculativeDecoder
 from specdecode.cli import main
 from specdecode.models.quant import Int4Linear, Int8Linear
 
-from test_transformers import tiny_llama
-
-
+from helpers import tiny_llama
 
 
 @pytest.fixture
@@ -136,14 +134,14 @@ def test_cli_streams_text_and_prints_summary(model_dirs, tmp_path, capsys):
     (["--draft-vocab-limit", "0"], "draft-vocab-limit"),
 ])
 def test_cli_usage_errors_exit_2_before_loading_models(args, match, capsys):
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(SystemExit, match="^2$") as exit_info:
         main(["generate", "hello"] + args)
     assert exit_info.value.code == 2
     assert match in capsys.readouterr().err
 
 
 def test_cli_empty_prompt_and_unknown_model_exit_2(capsys):
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(SystemExit, match="^2$") as exit_info:
         main(["generate", ""])
     assert exit_info.value.code == 2
     assert main(["generate", "hi", "--target", "./no/such/dir", "--draft", "none"]) == 2
@@ -158,13 +156,19 @@ def test_cli_help_explains_every_flag():
         assert flag in out
 
 
-def test_a_stream_interrupted_by_another_request_raises_instead_of_continuing_wrongly(decoder):
-    stream = decoder.generate("abc", max_new_tokens=20, sampling=SamplingParams(temperature=0), stream=True)
+def test_a_stream_interleaved_with_another_request_gives_each_its_result_alone(decoder):
+    greedy, seeded = SamplingParams(temperature=0), SamplingParams(seed=2)
+    alone_stream = decoder.generate("abc", max_new_tokens=20, sampling=greedy)
+    alone_other = decoder.generate("hhh", max_new_tokens=5, sampling=seeded)
+    stream = decoder.generate("abc", max_new_tokens=20, sampling=greedy, stream=True)
     events = iter(stream)
-    next(events)
-    decoder.generate("hhh", max_new_tokens=5)
-    with pytest.raises(RuntimeError, match="another generate"):
-        next(events)
+    first = next(events)
+    other = decoder.generate("hhh", max_new_tokens=5, sampling=seeded)  # shares the engine meanwhile
+    rest = list(events)
+    assert [first.token_id] + [e.token_id for e in rest] == stream.result.token_ids == alone_stream.token_ids
+    assert first.text + "".join(e.text for e in rest) == stream.result.text == alone_stream.text
+    assert other.token_ids == alone_other.token_ids and other.text == alone_other.text
+    assert not decoder.engine.has_work
     # a finished stream cannot be iterated again
     done = decoder.generate("abc", max_new_tokens=3, stream=True)
     list(done)
@@ -190,16 +194,17 @@ def test_a_batch_is_validated_before_anything_is_generated(decoder):
         decoder.generate(["abc", ""], max_new_tokens=4)
 
 
-@pytest.mark.parametrize("kwargs", [dict(seed=1.5), dict(seed=2**70), dict(top_k=True), dict(temperature=float("inf"))])
-def test_bad_seed_and_booleans_are_refused(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kwargs,match", [(dict(seed=1.5), "seed"), (dict(seed=2**70), "seed"),
+                                          (dict(top_k=True), "top_k"), (dict(temperature=float("inf")), "temperature")])
+def test_bad_seed_and_booleans_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
 
 
 def test_cli_refuses_a_prompt_file_that_is_not_utf8(tmp_path, capsys):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff\xfe abc")
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(SystemExit, match="^2$") as exit_info:
         main(["generate", f"@{bad}"])
     assert exit_info.value.code == 2
     assert "cannot read the prompt" in capsys.readouterr().err
@@ -213,7 +218,7 @@ def test_quantize_draft_never_changes_the_users_model(model_dirs, char_tokenizer
     greedy = SamplingParams(temperature=0)
     plain = SpeculativeDecoder(target, None, tokenizer=char_tokenizer).generate("abcab", max_new_tokens=20,
                                                                                sampling=greedy)
-    from specdecode.decoder import DEFAULT_DRAFT_QUANTIZATION
+    from specdecode.api import DEFAULT_DRAFT_QUANTIZATION
 
     kinds = {None: None, False: None, "none": None, "int8": Int8Linear, "int4": Int4Linear}
     kinds[True] = kinds[DEFAULT_DRAFT_QUANTIZATION]
@@ -231,28 +236,35 @@ def test_quantize_draft_never_changes_the_users_model(model_dirs, char_tokenizer
             SpeculativeDecoder(target, draft, tokenizer=char_tokenizer, quantize_draft=bad)
 
 
-# --- batches (specdecode.batch through generate) --------------------------------------------------
+# --- batches (the engine's rows through generate) --------------------------------------------------
 
 BATCH_PROMPTS = ["abc", [5, 6, 7, 8, 9, 10, 4], "h", "badcafe ge"]
 
 
-def test_a_list_of_prompts_decodes_as_one_batch_and_equals_one_at_a_time(decoder, monkeypatch):
-    import specdecode.decoder as decoder_module
+def record_batch_widths(decoder, monkeypatch):
+    """The number of rows in each target forward of `decoder` from now on."""
+    widths = []
+    backend = decoder.target.backend
+    real_forward = backend.forward
+    monkeypatch.setattr(backend, "forward", lambda feeds, n: widths.append(len(feeds)) or real_forward(feeds, n))
+    return widths
 
-    calls = []
-    real = decoder_module.decode_batch
-    monkeypatch.setattr(decoder_module, "decode_batch", lambda *a, **kw: calls.append(len(a[2])) or real(*a, **kw))
+
+def test_a_list_of_prompts_decodes_as_one_batch_and_equals_one_at_a_time(decoder, monkeypatch):
+    widths = record_batch_widths(decoder, monkeypatch)
     greedy = SamplingParams(temperature=0)
     batched = decoder.generate(BATCH_PROMPTS, max_new_tokens=15, sampling=greedy, stop=["ee"])
-    assert calls == [4]
+    assert max(widths) == 4
+    widths.clear()
     sequential = decoder.generate(BATCH_PROMPTS, max_new_tokens=15, sampling=greedy, stop=["ee"], batch_size=1)
-    assert calls == [4]
+    assert max(widths) == 1
     for got, alone in zip(batched, sequential):
         assert got.token_ids == alone.token_ids and got.text == alone.text
         assert got.finish_reason == alone.finish_reason
+    widths.clear()
     assert decoder.generate(BATCH_PROMPTS, max_new_tokens=15, sampling=greedy, batch_size=3)[3].token_ids == \
         decoder.generate(BATCH_PROMPTS[3], max_new_tokens=15, sampling=greedy).token_ids
-    assert calls == [4, 3, 1]
+    assert max(widths) == 3
 
 
 def test_batched_stop_strings_end_each_row_on_its_own(decoder):
@@ -271,13 +283,19 @@ def test_bad_batch_size_raises(decoder, batch_size):
         decoder.generate(["abc", "de"], max_new_tokens=4, batch_size=batch_size)
 
 
-def test_lookup_only_decoding_falls_back_to_one_prompt_at_a_time(model_dirs, monkeypatch):
-    import specdecode.decoder as decoder_module
-
-    monkeypatch.setattr(decoder_module, "decode_batch", None)  # would raise if called
+def test_lookup_only_decoding_batches_the_rows_and_each_equals_its_run_alone(model_dirs, monkeypatch):
     lookup = SpeculativeDecoder(model_dirs["target"], None, prompt_lookup=True, dtype="float32")
-    results = lookup.generate(["abcab", "hh"], max_new_tokens=6, sampling=SamplingParams(temperature=0))
+    widths = record_batch_widths(lookup, monkeypatch)
+    greedy = SamplingParams(temperature=0)
+    results = lookup.generate(["abcab", "hh"], max_new_tokens=6, sampling=greedy)
+    assert max(widths) == 2  # one batch, not one prompt at a time
     assert [len(r.token_ids) for r in results] == [6, 6]
+    for prompt, got in zip(["abcab", "hh"], results):
+        alone = lookup.generate(prompt, max_new_tokens=6, sampling=greedy)
+        assert got.token_ids == alone.token_ids
+        assert got.stats.num_lookup_steps == alone.stats.num_lookup_steps
+    assert results[0].stats.num_lookup_steps > 0  # "ab" recurs in "abcab": lookup proposed in the batch
+    assert results[0].to_dict()["stats"]["num_lookup_steps"] == results[0].stats.num_lookup_steps
 
 
 def test_cli_prompts_file_writes_one_json_line_per_prompt(model_dirs, tmp_path, capsys):
@@ -326,16 +344,21 @@ def test_cli_prompts_file_usage_errors_exit_2(tmp_path, capsys, args, content, m
     if content is not None:
         for suffix in ("", ".jsonl"):
             (tmp_path / ("p" + suffix)).write_text(content)
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(SystemExit, match="^2$") as exit_info:
         main(["generate"] + [a.format(path=path) for a in args])
     assert exit_info.value.code == 2
     assert match in capsys.readouterr().err
 
 
 def test_a_seeded_sampled_prompt_gives_the_same_output_in_a_list_as_alone(model_dirs):
-    # Prompt lookup is on by default, and the batch path has none: sampled lists go one at a time.
+    # Prompt lookup is on by default and runs per row inside the batch, drawing from each row's
+    # own generator exactly as alone.
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float32")
     sampling = SamplingParams(seed=7)
+    together = decoder.generate(["abcabcab", "hgfe"], max_new_tokens=20, sampling=sampling)
+    for prompt, got in zip(("abcabcab", "hgfe"), together):
+        assert got.token_ids == decoder.generate(prompt, max_new_tokens=20, sampling=sampling).token_ids
+    assert together[0].stats.num_lookup_steps > 0
     for prompt in ("abcabcab", "hgfe"):
         assert decoder.generate([prompt], max_new_tokens=20, sampling=sampling)[0].token_ids == \
             decoder.generate(prompt, max_new_tokens=20, sampling=sampling).token_ids
@@ -344,10 +367,10 @@ def test_a_seeded_sampled_prompt_gives_the_same_output_in_a_list_as_alone(model_
 def test_the_guard_stays_out_of_seeded_sampling_and_lenient_greedy(model_dirs):
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float32", guard_costs=(0.1, 0.0))
     greedy, seeded = SamplingParams(temperature=0), SamplingParams(seed=1)
-    assert decoder._config(8, greedy, None).costs == (0.1, 0.0)
-    assert decoder._config(8, SamplingParams(), None).costs == (0.1, 0.0)
-    assert decoder._config(8, seeded, None).costs is None
-    assert decoder._config(8, greedy, None, lenience=0.5).costs is None
+    assert decoder.config(8, greedy).costs == (0.1, 0.0)
+    assert decoder.config(8, SamplingParams()).costs == (0.1, 0.0)
+    assert decoder.config(8, seeded).costs is None
+    assert decoder.config(8, greedy, lenience=0.5).costs is None
     assert SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], guard=False).guard_costs is None
 
 

@@ -1,4 +1,4 @@
-"""Batched decoding (specdecode.batch): every row is exactly what it would be alone.
+"""Batched decoding (the engine with many rows): every row is exactly what it would be alone.
 
 Table models have no floating-point batch effect, so rows are compared with single runs token
 for token at any temperature, seeds included; tiny float32 Llamas are compared under greedy
@@ -9,15 +9,14 @@ from collections import Counter
 import pytest
 import torch
 
-from specdecode.batch import decode_batch
-from specdecode.decoding import BONUS, CORRECTED, DecodeConfig, run
-from specdecode.models import BatchedTableModel, HFBatchedCausalLM, HFCausalLM, TableModel
+from specdecode.engine.driver import run, run_all
+from specdecode.engine.engine import Engine
+from specdecode.engine.request import BONUS, CORRECTED, DecodeConfig, Request
+from specdecode.models import HFCausalLM, TableModel
 from specdecode.proposers import DraftModelProposer
 from specdecode.sampling import SamplingParams
 
-from conftest import chi2_pvalue
-from test_exactness import target_sequence_probs
-from test_transformers import tiny_llama
+from helpers import chi2_pvalue, single_row_logits, target_sequence_probs, tiny_llama, tiny_mistral
 
 GREEDY = SamplingParams(temperature=0)
 # Different lengths, limits, γ and seeds per row, so rows accept, stop and leave at different steps.
@@ -39,6 +38,10 @@ def table_pair_close(vocab=8, noise=1.0):
     return target, draft
 
 
+def requests(prompts, configs):
+    return [Request(prompt, config) for prompt, config in zip(prompts, configs)]
+
+
 def stats_tuple(stats):
     return (stats.num_target_calls, stats.num_draft_calls, stats.num_drafted, stats.num_accepted,
             stats.accepted_per_position, stats.num_generated)
@@ -49,8 +52,7 @@ def stats_tuple(stats):
 def test_each_row_equals_its_single_run_token_for_token_with_its_own_seed(sampling, confidence):
     target, draft = table_pair_close()
     configs = row_configs(sampling)
-    batch = decode_batch(BatchedTableModel(target), BatchedTableModel(draft), PROMPTS, configs,
-                         draft_confidence=confidence)
+    batch = run_all(target, DraftModelProposer(draft, confidence), requests(PROMPTS, configs))
     for prompt, config, got in zip(PROMPTS, configs, batch):
         alone = run(target, DraftModelProposer(draft, confidence), prompt, config)
         assert got.token_ids == alone.token_ids
@@ -68,8 +70,7 @@ def test_a_rows_output_does_not_depend_on_its_neighbours():
     for neighbours in ([], [[5, 5, 5, 5, 5, 5]], [[1], [2, 3]]):
         others = [DecodeConfig(max_new_tokens=9, sampling=SamplingParams(seed=7 + i), num_speculative_tokens=2)
                   for i in range(len(neighbours))]
-        result = decode_batch(BatchedTableModel(target), BatchedTableModel(draft), neighbours + [[1, 2]],
-                              others + [config])
+        result = run_all(target, DraftModelProposer(draft), requests(neighbours + [[1, 2]], others + [config]))
         outputs.append(result[-1].token_ids)
     assert outputs[0] == outputs[1] == outputs[2]
 
@@ -77,7 +78,7 @@ def test_a_rows_output_does_not_depend_on_its_neighbours():
 def test_plain_batched_decoding_equals_plain_single_decoding():
     target = TableModel(8, seed=0)
     configs = row_configs(SamplingParams())
-    batch = decode_batch(BatchedTableModel(target), None, PROMPTS, configs)
+    batch = run_all(target, None, requests(PROMPTS, configs))
     for prompt, config, got in zip(PROMPTS, configs, batch):
         alone = run(target, None, prompt, config)
         assert got.token_ids == alone.token_ids and got.stats.num_target_calls == alone.stats.num_target_calls
@@ -87,14 +88,14 @@ def test_context_windows_clip_each_row_as_alone():
     target = TableModel(8, seed=0, max_length=12)
     draft = TableModel(8, seed=5, max_length=9)
     configs = row_configs(SamplingParams(), eos=frozenset())
-    batch = decode_batch(BatchedTableModel(target), BatchedTableModel(draft), PROMPTS, configs)
+    batch = run_all(target, DraftModelProposer(draft), requests(PROMPTS, configs))
     for prompt, config, got in zip(PROMPTS, configs, batch):
         alone = run(target, DraftModelProposer(draft), prompt, config)
         assert got.token_ids == alone.token_ids and got.finish_reason == alone.finish_reason
         assert len(prompt) + len(got.token_ids) <= 12
 
 
-class NoRollbackTable(BatchedTableModel):
+class NoRollbackTable(TableModel):
     """A broken backend: rejected drafts stay in the context (what a wrong per-row cache does)."""
 
     def truncate(self, lengths):
@@ -103,14 +104,14 @@ class NoRollbackTable(BatchedTableModel):
 
 def batched_sequence_counts(backend_class, batches=1000, vocab=4, k=3, length=3):
     """Rows of ragged batches (three prompts, each row its own seed), counted per prompt."""
-    target = TableModel(vocab, order=2, seed=20, sharpness=1.5)
-    draft = TableModel(vocab, order=2, seed=21, sharpness=1.5)
+    target = backend_class(vocab, order=2, seed=20, sharpness=1.5)
+    draft = backend_class(vocab, order=2, seed=21, sharpness=1.5)
     prompts = [[1, 2], [3], [0, 2, 1, 3]]
     counts = [Counter() for _ in prompts]
     for run_index in range(batches):
         configs = [DecodeConfig(max_new_tokens=length, num_speculative_tokens=k,
                                 sampling=SamplingParams(seed=3 * run_index + i)) for i in range(len(prompts))]
-        results = decode_batch(backend_class(target), backend_class(draft), prompts, configs)
+        results = run_all(target, DraftModelProposer(draft), requests(prompts, configs))
         for i, result in enumerate(results):
             counts[i][tuple(result.token_ids)] += 1
     pvalues = []
@@ -124,7 +125,7 @@ def batched_sequence_counts(backend_class, batches=1000, vocab=4, k=3, length=3)
 def test_batched_loop_matches_target_distribution_chi_square():
     # 1000 ragged batches of 3 rows (k=3, 3 tokens, vocab 4 → 64 sequences per prompt), seeds
     # 0..2999; each prompt's test fails at significance 1e-3.
-    assert min(batched_sequence_counts(BatchedTableModel)) > 1e-3
+    assert min(batched_sequence_counts(TableModel)) > 1e-3
 
 
 def test_chi_square_detects_a_batch_that_does_not_roll_back_rejected_drafts():
@@ -132,12 +133,28 @@ def test_chi_square_detects_a_batch_that_does_not_roll_back_rejected_drafts():
     assert max(batched_sequence_counts(NoRollbackTable, batches=300)) < 1e-6
 
 
-def test_mismatched_prompts_and_configs_raise():
-    target = BatchedTableModel(TableModel(4))
-    with pytest.raises(ValueError, match="one DecodeConfig per prompt"):
-        decode_batch(target, None, [[1], [2]], row_configs(GREEDY)[:1])
+def test_an_empty_prompt_and_a_batch_size_below_one_are_refused():
+    target = TableModel(4)
     with pytest.raises(ValueError, match="at least one token"):
-        decode_batch(target, None, [[]], row_configs(GREEDY)[:1])
+        run_all(target, None, requests([[1], []], row_configs(GREEDY)[:2]))
+    with pytest.raises(ValueError, match="max_batch_size must be >= 1"):
+        Engine(target, None, max_batch_size=0)
+
+
+def test_max_batch_size_queues_requests_and_each_still_equals_its_single_run():
+    target, draft = table_pair_close()
+    configs = row_configs(SamplingParams())
+    engine = Engine(target, DraftModelProposer(draft), max_batch_size=2)
+    ids = [engine.add(request) for request in requests(PROMPTS, configs)]
+    results, widest = {}, 0
+    while engine.has_work:
+        for output in engine.step():
+            if output.result is not None:
+                results[output.request_id] = output.result
+        widest = max(widest, len(engine.running), target.num_rows)
+    assert widest == 2
+    for request_id, prompt, config in zip(ids, PROMPTS, configs):
+        assert results[request_id].token_ids == run(target, DraftModelProposer(draft), prompt, config).token_ids
 
 
 # --- tiny float32 Llamas -------------------------------------------------------------------------
@@ -160,40 +177,42 @@ LLAMA_PROMPTS = [[5, 17, 33, 2, 71, 40, 8], [9, 3], [60, 61, 62, 1, 2, 3, 4, 5, 
 def test_batched_greedy_equals_single_greedy_on_tiny_llamas(llama_pair, k, confidence, compact, monkeypatch):
     target, draft = llama_pair
     compactions = []
-    real_compact = HFBatchedCausalLM._compact
-    monkeypatch.setattr(HFBatchedCausalLM, "_compact", lambda self: compactions.append(1) or real_compact(self))
+    real_compact = HFCausalLM._compact
+    monkeypatch.setattr(HFCausalLM, "_compact", lambda self: compactions.append(1) or real_compact(self))
     configs = [DecodeConfig(max_new_tokens=n, sampling=GREEDY, num_speculative_tokens=k) for n in (40, 25, 40, 33)]
     policy = dict(compact_min_dead=0, compact_ratio=0) if compact else {}  # always, or the default policy
-    batch = decode_batch(HFBatchedCausalLM(target, **policy), HFBatchedCausalLM(draft, **policy), LLAMA_PROMPTS, configs,
-                         draft_confidence=confidence)
+    batch = run_all(HFCausalLM(target, **policy), DraftModelProposer(HFCausalLM(draft, **policy), confidence),
+                    requests(LLAMA_PROMPTS, configs))
+    batch_compactions = len(compactions)
     for prompt, config, got in zip(LLAMA_PROMPTS, configs, batch):
         plain = run(HFCausalLM(target), None, prompt, DecodeConfig(max_new_tokens=config.max_new_tokens,
                                                                     sampling=GREEDY))
         assert got.token_ids == plain.token_ids
         assert 0 < got.stats.num_accepted < got.stats.num_drafted
-    assert (len(compactions) > 5) == compact
+    assert (batch_compactions > 5) == compact
 
 
 def test_plain_batched_greedy_equals_single_greedy_on_a_tiny_llama(llama_pair):
     target, _ = llama_pair
     configs = [DecodeConfig(max_new_tokens=20, sampling=GREEDY) for _ in LLAMA_PROMPTS]
-    batch = decode_batch(HFBatchedCausalLM(target), None, LLAMA_PROMPTS, configs)
+    batch = run_all(HFCausalLM(target), None, requests(LLAMA_PROMPTS, configs))
     for prompt, config, got in zip(LLAMA_PROMPTS, configs, batch):
         assert got.token_ids == run(HFCausalLM(target), None, prompt, config).token_ids
 
 
 def test_batched_backend_matches_single_backend_logits_after_ragged_rollbacks(llama_pair):
     target, _ = llama_pair
-    backend = HFBatchedCausalLM(target, compact_min_dead=0, compact_ratio=0)
-    backend.start(3)
+    backend = HFCausalLM(target, compact_min_dead=0, compact_ratio=0)
+    for _ in range(3):
+        backend.add_row()
     backend.forward([[5, 17, 33], [1, 2, 3, 4, 5, 6, 7, 8], [9]], 1)
     backend.forward([[1, 2, 3], [4], [5, 6]], 3)
     backend.truncate([4, 9, 2])       # row 0 keeps one draft, row 1 all, row 2 none
-    assert backend.lengths.tolist() == [4, 9, 2]
+    assert backend.lengths == [4, 9, 2]
     assert backend.valid.sum(1).tolist() == [4, 9, 2] and backend.num_slots == 9  # compacted
     logits = backend.forward([[7], [8], [9, 10]], 1)[:, 0]
     for b, sequence in enumerate([[5, 17, 33, 1, 7], [1, 2, 3, 4, 5, 6, 7, 8, 4, 8], [9, 5, 9, 10]]):
-        alone = HFCausalLM(target).forward(torch.tensor(sequence), 1)[0]
+        alone = single_row_logits(HFCausalLM(target), sequence, 1)[0]
         assert torch.allclose(logits[b], alone, atol=1e-5)
     for layer in backend.cache.layers:
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
@@ -201,19 +220,32 @@ def test_batched_backend_matches_single_backend_logits_after_ragged_rollbacks(ll
 
 def test_finished_rows_leave_the_batch(llama_pair):
     target, _ = llama_pair
-    backend = HFBatchedCausalLM(target)
-    configs = [DecodeConfig(max_new_tokens=n, sampling=GREEDY) for n in (2, 12)]
-    decode_batch(backend, None, LLAMA_PROMPTS[:2], configs)
-    assert backend.cache.layers[0].keys.shape[0] == 1
+    backend = HFCausalLM(target)
+    engine = Engine(backend)
+    ids = [engine.add(Request(prompt, DecodeConfig(max_new_tokens=n, sampling=GREEDY)))
+           for prompt, n in zip(LLAMA_PROMPTS[:2], (2, 12))]
+    finished = []
+    while not finished:
+        finished = [output.request_id for output in engine.step() if output.result is not None]
+    assert finished == ids[:1] and [row.request_id for row in engine.running] == ids[1:]
+    assert backend.num_rows == 1 and backend.cache.layers[0].keys.shape[0] == 1
+    while engine.has_work:
+        engine.step()
+    assert backend.num_rows == 0
 
 
-def test_sliding_window_models_are_refused_by_the_batched_backend():
-    from transformers import MistralConfig, MistralForCausalLM
-
-    config = MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
-    with pytest.raises(ValueError, match="sliding-window"):
-        HFBatchedCausalLM(MistralForCausalLM(config))
+def test_a_sliding_window_model_holds_one_row_and_the_engine_queues_the_others():
+    target, draft = HFCausalLM(tiny_mistral(0, 2)), HFCausalLM(tiny_mistral(1, 1))
+    assert target.max_rows == 1
+    target.add_row()
+    with pytest.raises(ValueError, match="sliding-window attention: one row at a time"):
+        target.add_row()
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    configs = [DecodeConfig(max_new_tokens=20, sampling=GREEDY, num_speculative_tokens=3)] * 3
+    batch = run_all(target, DraftModelProposer(draft), requests(prompts, configs))
+    for prompt, got in zip(prompts, batch):
+        assert got.token_ids == run(target, None, prompt, DecodeConfig(max_new_tokens=20, sampling=GREEDY)).token_ids
+        assert got.stats.num_drafted > 0
 
 
 # --- throughput (specdecode.measure.batch_bench) ---------------------------------------------------------
@@ -251,12 +283,13 @@ def test_batch_throughput_rejects_bad_arguments(kwargs, match):
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams()], ids=["greedy", "t1"])
 def test_lenient_rows_equal_their_lenient_single_runs(sampling):
-    # Both loops share decoding.accept, the greedy lenience rule included (paper A.5, lossy).
+    # Every row goes through engine.accept with its own config, the greedy lenience rule
+    # included (paper A.5, lossy).
     import dataclasses
 
     target, draft = table_pair_close(noise=2.0)
     configs = [dataclasses.replace(c, lenience=0.3) for c in row_configs(sampling)]
-    batch = decode_batch(BatchedTableModel(target), BatchedTableModel(draft), PROMPTS, configs)
+    batch = run_all(target, DraftModelProposer(draft), requests(PROMPTS, configs))
     for prompt, config, got in zip(PROMPTS, configs, batch):
         alone = run(target, DraftModelProposer(draft), prompt, config)
         assert got.token_ids == alone.token_ids and got.stats.lossy and alone.stats.lossy

@@ -1,12 +1,17 @@
 """The decoding loop's bookkeeping: acceptance counts, cache rollback, stops, seeds (DESIGN.md §5)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from specdecode.decoding import BONUS, CORRECTED, TARGET, DecodeConfig, decode, run
+from specdecode.engine.driver import run
+from specdecode.engine.request import BONUS, CORRECTED, TARGET, DecodeConfig
 from specdecode.models import TableModel
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
+
+from helpers import chi2_pvalue, decode, loop_sequence_counts
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -51,16 +56,34 @@ def test_speculative_greedy_equals_plain_greedy_with_table_models():
 
 
 class CheckedTable(TableModel):
-    """Records, at each forward, the cache contents and how many tokens were committed so far."""
+    """One row. Records, at each forward, the cache contents, the feed and how many tokens were
+    committed so far; and the cache contents after the last truncate (the rollback)."""
 
     def __init__(self, *args, committed, **kw):
         super().__init__(*args, **kw)
         self.committed = committed
         self.snapshots = []
+        self.after_truncate = None
 
-    def forward(self, tokens, num_logits):
-        self.snapshots.append((list(self.tokens), tokens.tolist(), len(self.committed)))
-        return super().forward(tokens, num_logits)
+    def forward(self, feeds, num_logits):
+        assert len(feeds) == 1
+        self.snapshots.append((list(self.rows[0]), list(feeds[0]), len(self.committed)))
+        return super().forward(feeds, num_logits)
+
+    def truncate(self, lengths):
+        super().truncate(lengths)
+        self.after_truncate = list(self.rows[0])
+
+
+class MaxLengthTable(TableModel):
+    """Records the most tokens any row held (the row leaves the backend when it finishes)."""
+
+    max_seen = 0
+
+    def forward(self, feeds, num_logits):
+        out = super().forward(feeds, num_logits)
+        self.max_seen = max([self.max_seen] + self.lengths)
+        return out
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(seed=1)], ids=["greedy", "t1"])
@@ -73,16 +96,22 @@ def test_caches_hold_exactly_the_committed_prefix_after_every_step(sampling, loo
     proposer = DraftModelProposer(draft)
     if lookup:  # the draft model sits out the steps that lookup serves, then catches up
         proposer = PromptLookupProposer(8, max_ngram=2, min_ngram=1, fallback=proposer)
-    for event in decode(target, proposer, prompt, config(60, k=3, sampling=sampling)):
-        committed.append(event.token_id)
-    assert len(committed) == len(prompt) + 60
+    events = decode(target, proposer, prompt, config(60, k=3, sampling=sampling))
+    while True:
+        try:
+            committed.append(next(events).token_id)
+        except StopIteration as done:
+            result = done.value
+            break
+    assert len(committed) == len(prompt) + 60 and result.token_ids == committed[len(prompt):]
     # Target: each call starts from the committed sequence minus its last token, fed first.
     for i, (cache, fed, n) in enumerate(target.snapshots):
         if i == 0:
             assert cache == [] and fed[:len(prompt)] == prompt
         else:
             assert cache == committed[:n - 1] and fed[0] == committed[n - 1]
-    assert target.tokens == committed[:-1]
+    # after the last step's rollback: everything committed but the last token, which is pending
+    assert target.after_truncate == committed[:-1]
     # Draft: each proposal starts from a committed prefix that its first feed completes.
     first_forward_of_step = {}
     for cache, fed, n in draft.snapshots:
@@ -91,7 +120,7 @@ def test_caches_hold_exactly_the_committed_prefix_after_every_step(sampling, loo
         steps_with_drafts = sum(len(fed) > 1 for _, fed, _ in target.snapshots[1:]) + 1
         assert len(first_forward_of_step) == steps_with_drafts
     else:
-        assert proposer.num_lookups > 0 and len(first_forward_of_step) < len(target.snapshots)
+        assert result.stats.num_lookup_steps > 0 and len(first_forward_of_step) < len(target.snapshots)
     for n, (cache, fed) in first_forward_of_step.items():
         assert cache + fed == committed[:n]
 
@@ -117,12 +146,12 @@ def test_block_that_would_overshoot_max_new_tokens_is_cut_exactly(max_new_tokens
 
 
 def test_context_window_clips_gamma_and_ends_with_length():
-    target = TableModel(8, seed=0, max_length=20)
-    draft = TableModel(8, seed=0, max_length=20)
+    target = MaxLengthTable(8, seed=0, max_length=20)
+    draft = MaxLengthTable(8, seed=0, max_length=20)
     result = run(target, DraftModelProposer(draft), [1, 2, 3, 4, 5], config(100, k=4))
     assert len(result.token_ids) == 15  # 5 prompt tokens + 15 = the 20-token window
     assert result.finish_reason == "length"
-    assert target.length <= 20
+    assert 0 < target.max_seen <= 20 and 0 < draft.max_seen <= 20
 
 
 def test_same_seed_gives_same_output_and_other_seeds_differ():
@@ -155,8 +184,8 @@ def test_stop_string_spanning_two_tokens(char_tokenizer):
 def test_streamed_text_equals_final_text(char_tokenizer):
     vocab = len(char_tokenizer)
     target, draft = TableModel(vocab, seed=0, sharpness=0.5), TableModel(vocab, seed=2, sharpness=0.5)
-    events = decode(target, DraftModelProposer(draft), char_tokenizer.encode("ab"),
-                    config(40, k=3, sampling=SamplingParams(seed=5), stop=("hh",)), char_tokenizer)
+    cfg = config(40, k=3, sampling=SamplingParams(seed=5), stop=("hh",))
+    events = decode(target, DraftModelProposer(draft), char_tokenizer.encode("ab"), cfg, char_tokenizer)
     streamed = []
     while True:
         try:
@@ -165,6 +194,8 @@ def test_streamed_text_equals_final_text(char_tokenizer):
             result = done.value
             break
     assert "".join(streamed) == result.text
+    assert result.text == run(target, DraftModelProposer(draft), char_tokenizer.encode("ab"), cfg,
+                              char_tokenizer).text
 
 
 def test_confidence_stop_drafts_fewer_tokens_and_keeps_greedy_output():
@@ -177,14 +208,17 @@ def test_confidence_stop_drafts_fewer_tokens_and_keeps_greedy_output():
     assert early.stats.acceptance_rate > fixed.stats.acceptance_rate
 
 
-def test_prompt_lookup_proposes_what_followed_the_latest_match():
+def test_prompt_lookup_proposes_what_followed_the_latest_match_per_row():
     proposer = PromptLookupProposer(10, max_ngram=3, min_ngram=1)
-    proposer.start(torch.tensor([1, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3]))
-    draft = proposer.propose(3)
+    sequences = [[1, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3], [1, 2, 3]]
+    for tokens in sequences:
+        proposer.add_row(tokens)
+    rows = [SimpleNamespace(tokens=tokens, sampling=GREEDY, generator=None) for tokens in sequences]
+    draft, none = proposer.propose(rows, [3, 3])
     assert draft.tokens.tolist() == [5, 6, 2]  # latest "2 3" is followed by 5 6 2
     assert torch.equal(draft.probs, torch.nn.functional.one_hot(draft.tokens, 10).float())
-    proposer.start(torch.tensor([1, 2, 3]))
-    assert proposer.propose(3).tokens.numel() == 0  # no match and no fallback: nothing proposed
+    assert draft.lookup and draft.forwards == 0
+    assert none.tokens.numel() == 0 and not none.lookup  # no match and no fallback: nothing proposed
 
 
 def test_prompt_lookup_alone_keeps_greedy_output():
@@ -214,11 +248,11 @@ def test_speculative_and_plain_stop_at_the_same_context_length(prompt_length):
 
 def test_draft_context_window_is_respected():
     target = TableModel(8, seed=0)
-    draft = TableModel(8, seed=0, max_length=12)
+    draft = MaxLengthTable(8, seed=0, max_length=12)
     plain = run(target, None, [1, 2, 3], config(30))
     spec = run(target, DraftModelProposer(draft), [1, 2, 3], config(30, k=4))
     assert spec.token_ids == plain.token_ids
-    assert draft.length <= 12 and spec.stats.num_drafted > 0
+    assert 0 < draft.max_seen <= 12 and spec.stats.num_drafted > 0
 
 
 def test_nothing_after_a_stop_is_counted():
@@ -250,7 +284,7 @@ def test_adaptive_gamma_grows_while_blocks_are_accepted_and_shrinks_after_misses
     calls = []
     proposer = DraftModelProposer(draft)
     real_propose = proposer.propose
-    proposer.propose = lambda k: calls.append(k) or real_propose(k)
+    proposer.propose = lambda rows, ks: calls.extend(ks) or real_propose(rows, ks)
     run(target, proposer, [1, 2, 3], config(200, k=12, gamma_schedule="adaptive"))
     assert calls[:6] == [4, 6, 8, 10, 12, 12]
     wrong = TableModel(8, seed=0)
@@ -258,15 +292,12 @@ def test_adaptive_gamma_grows_while_blocks_are_accepted_and_shrinks_after_misses
     calls.clear()
     proposer = DraftModelProposer(wrong)
     real_propose = proposer.propose
-    proposer.propose = lambda k: calls.append(k) or real_propose(k)
+    proposer.propose = lambda rows, ks: calls.extend(ks) or real_propose(rows, ks)
     run(target, proposer, [1, 2, 3], config(20, k=12, gamma_schedule="adaptive"))
     assert calls[:5] == [4, 3, 2, 1, 1]
 
 
 def test_adaptive_gamma_keeps_the_target_distribution_chi_square():
-    from conftest import chi2_pvalue
-    from test_exactness import loop_sequence_counts
-
     observed, probs = loop_sequence_counts(lambda d: DraftModelProposer(d, 0.5), SamplingParams(), runs=3000,
                                            gamma_schedule="adaptive")
     assert chi2_pvalue(observed, probs) > 1e-3

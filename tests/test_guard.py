@@ -12,8 +12,7 @@ from specdecode.engine.guard import SpeculationGuard
 from specdecode.models import TableModel
 from specdecode.proposers import DraftModelProposer
 
-from conftest import chi2_pvalue
-from test_exactness import loop_sequence_counts
+from helpers import chi2_pvalue, loop_sequence_counts
 
 
 def steps(guard, n, drafted, forwards, emitted):
@@ -67,7 +66,8 @@ def test_speculation_resumes_when_it_starts_to_pay():
 @pytest.mark.parametrize("kwargs", [dict(cost_coefficient=-1), dict(verify_slope=-1), dict(probe_every=0),
                                     dict(decay=1.0), dict(warmup=0)])
 def test_bad_settings_raise(kwargs):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"need cost_coefficient, verify_slope >= 0, probe_every >= 1, "
+                                         r"decay in \[0, 1\), warmup >= 1"):
         SpeculationGuard(**{"cost_coefficient": 0.1, **kwargs})
 
 
@@ -81,15 +81,17 @@ def test_the_loop_stops_calling_a_draft_that_does_not_pay_and_keeps_the_greedy_o
     target, draft = wrong_pair()
     greedy = SamplingParams(temperature=0)
     plain = run(target, None, [1, 2], DecodeConfig(max_new_tokens=80, sampling=greedy))
-    proposer = DraftModelProposer(draft)
-    guarded = run(target, proposer, [1, 2], DecodeConfig(max_new_tokens=80, sampling=greedy,
-                                                         num_speculative_tokens=3, costs=(0.3, 0.0)))
+    guarded = run(target, DraftModelProposer(draft), [1, 2], DecodeConfig(
+        max_new_tokens=80, sampling=greedy, num_speculative_tokens=3, costs=(0.3, 0.0)))
     assert guarded.token_ids == plain.token_ids
     assert guarded.stats.num_target_calls == 80  # α = 0: one token per call either way
-    assert proposer.num_calls <= 3 * (4 + 80 // 16 + 1)  # warm-up, then one probe per pause
-    unguarded = DraftModelProposer(draft)
-    run(target, unguarded, [1, 2], DecodeConfig(max_new_tokens=80, sampling=greedy, num_speculative_tokens=3))
-    assert unguarded.num_calls > 3 * proposer.num_calls
+    assert guarded.stats.num_draft_calls <= 3 * (4 + 80 // 16 + 1)  # warm-up, then one probe per pause
+    assert guarded.stats.num_guard_pauses > 0
+    assert guarded.stats.to_dict()["num_guard_pauses"] == guarded.stats.num_guard_pauses
+    unguarded = run(target, DraftModelProposer(draft), [1, 2],
+                    DecodeConfig(max_new_tokens=80, sampling=greedy, num_speculative_tokens=3))
+    assert unguarded.stats.num_draft_calls > 3 * guarded.stats.num_draft_calls
+    assert unguarded.stats.num_guard_pauses == 0
 
 
 def test_a_guarded_sampled_request_is_reproducible_from_its_seed():
@@ -104,13 +106,17 @@ class CoinGuard(SpeculationGuard):
     """Pauses at random (its own RNG): every mix of plain and speculative steps shows up."""
 
     rng = random.Random(0)
+    decisions: list[bool] = []
 
     def speculate(self):
-        return self.rng.random() < 0.5
+        speculate = self.rng.random() < 0.5
+        self.decisions.append(speculate)
+        return speculate
 
 
 def test_guarded_loop_keeps_the_target_distribution_chi_square(monkeypatch):
-    monkeypatch.setattr("specdecode.decoding.SpeculationGuard", CoinGuard)
+    monkeypatch.setattr("specdecode.engine.policy.SpeculationGuard", CoinGuard)
     observed, probs = loop_sequence_counts(lambda d: DraftModelProposer(d), SamplingParams(), runs=3000,
                                            costs=(0.1, 0.0))
     assert chi2_pvalue(observed, probs) > 1e-3
+    assert True in CoinGuard.decisions and False in CoinGuard.decisions  # the engine asked the coin

@@ -7,14 +7,14 @@ from collections import Counter
 import pytest
 import torch
 
-from specdecode.decoding import ACCEPTED, DecodeConfig, run
+from specdecode.engine.driver import run
+from specdecode.engine.request import ACCEPTED, DecodeConfig
 from specdecode.models import HFCausalLM, TableModel
 from specdecode.proposers import DraftModelProposer
 from specdecode.sampling import SamplingParams, adjust
 from specdecode.verify import greedy_lenient_step, speculative_step
 
-from conftest import chi2_pvalue
-from test_exactness import speculative_sequence_probs, target_sequence_probs
+from helpers import chi2_pvalue, speculative_sequence_probs, target_sequence_probs, tiny_llama
 
 VOCAB, K, LENGTH, PROMPT = 4, 3, 3, [1, 2]
 
@@ -148,8 +148,6 @@ def test_greedy_lenience_one_is_plain_greedy_token_for_token():
 
 
 def test_small_lenience_raises_acceptance_rate_on_a_tiny_transformer():
-    from test_transformers import tiny_llama
-
     target = tiny_llama(0)
     draft = tiny_llama(0)
     with torch.no_grad():
@@ -204,7 +202,7 @@ def test_cli_lenience_flag_reports_lossy_json(model_dirs, capsys):
 def test_cli_bad_lenience_exits_2_before_loading_models(value, capsys):
     from specdecode.cli import build_parser, main
 
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(SystemExit, match="^2$") as exit_info:
         main(["generate", "hello", "--target", "./no/such/dir", "--lenience", value])
     assert exit_info.value.code == 2
     assert "--lenience" in capsys.readouterr().err

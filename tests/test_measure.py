@@ -16,7 +16,7 @@ from specdecode.models import TableModel
 from specdecode.proposers import DraftModelProposer
 from specdecode.sampling import adjust
 
-from test_transformers import tiny_llama
+from helpers import tiny_llama
 
 
 def test_recording_backend_keeps_the_p_each_committed_token_was_drawn_from():
@@ -120,7 +120,7 @@ def test_bench_command_writes_its_report(pair_dirs, tmp_path):
                                         (["alpha", "--temperatures", "-1"], "temperatures"),
                                         (["alpha", "--tasks", "poetry"], "invalid choice")])
 def test_measurement_usage_errors_exit_2(args, match, capsys):
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(SystemExit, match="^2$") as exit_info:
         main(args)
     assert exit_info.value.code == 2 and match in capsys.readouterr().err
 
@@ -166,9 +166,10 @@ def test_bench_masks_eos_on_our_side_as_transformers_min_new_tokens_does():
 
     target = TableModel(6, seed=0)
     masked = NoEOS(target, {2, 9})
-    logits = masked.forward(torch.tensor([1, 2, 3]), 2)
+    masked.add_row()
+    logits = masked.forward([[1, 2, 3]], 2)[0]
     assert torch.isinf(logits[:, 2]).all() and torch.isfinite(logits[:, [0, 1, 3, 4, 5]]).all()
-    assert masked.length == 3 and masked.vocab_size == 6
+    assert masked.lengths == [3] and masked.vocab_size == 6
 
 
 def test_report_paths_may_contain_dots(tmp_path):
@@ -184,6 +185,6 @@ def test_missing_bench_extras_fail_before_any_model_loads(monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     for command in ("alpha", "bench"):
-        with pytest.raises(SystemExit) as exit_info:
+        with pytest.raises(SystemExit, match="^2$") as exit_info:
             main([command, "--target", "/nonexistent"])
         assert exit_info.value.code == 2 and "specdecode[bench]" in capsys.readouterr().err

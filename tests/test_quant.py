@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from specdecode import SamplingParams
-from specdecode.engine.driver import run
-from specdecode.engine.request import DecodeConfig
+from specdecode.engine.driver import run, run_all
+from specdecode.engine.request import DecodeConfig, Request
 from specdecode.models import HFCausalLM
 from specdecode.models.quant import Int4Linear, Int8Linear, quantize
 from specdecode.proposers import DraftModelProposer
-from tests.test_transformers import PROMPT, VOCAB, greedy, tiny_llama
+
+from helpers import PROMPT, VOCAB, greedy, tiny_llama
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -99,9 +100,6 @@ def test_many_rows_take_the_dequantized_gemm_and_agree_with_the_integer_kernel(k
 
 
 def test_a_batch_with_an_int4_draft_equals_its_rows_alone():
-    from specdecode.batch import decode_batch
-    from specdecode.models import HFBatchedCausalLM
-
     target, draft = tiny_llama(0), tiny_llama(0)
     with torch.no_grad():
         for param in draft.parameters():
@@ -110,6 +108,7 @@ def test_a_batch_with_an_int4_draft_equals_its_rows_alone():
     assert isinstance(draft.lm_head, Int4Linear)  # its logits rows are strided in a batch
     prompts = [[5, 17, 33, 2], [9, 3], [60, 61, 62, 1, 2, 3]]
     configs = [DecodeConfig(max_new_tokens=24, sampling=SamplingParams(temperature=0), num_speculative_tokens=4)] * 3
-    batch = decode_batch(HFBatchedCausalLM(target), HFBatchedCausalLM(draft), prompts, configs)
+    batch = run_all(HFCausalLM(target), DraftModelProposer(HFCausalLM(draft)),
+                    [Request(prompt, config) for prompt, config in zip(prompts, configs)])
     for prompt, got in zip(prompts, batch):
         assert got.token_ids == run(HFCausalLM(target), None, prompt, greedy(24)).token_ids

@@ -20,19 +20,23 @@ def float32_decoder():
     return SpeculativeDecoder(dtype="float32", num_speculative_tokens=4)
 
 
-def test_default_pair_greedy_equals_plain_target_greedy_on_humaneval(float32_decoder):
+@pytest.fixture(scope="module")
+def float32_plain(float32_decoder):
+    """True plain decoding (no draft, no prompt lookup) of the same loaded target model."""
+    return SpeculativeDecoder(float32_decoder.target.backend.model, None, tokenizer=float32_decoder.tokenizer)
+
+
+def test_default_pair_greedy_equals_plain_target_greedy_on_humaneval(float32_decoder, float32_plain):
     # float32: a k-token forward rounds like a 1-token forward closely enough that greedy output
     # must match token for token (bf16 may differ on near-ties; see README).
     decoder = float32_decoder
     assert {151643, 151645} <= decoder.eos_token_ids  # <|endoftext|> ends raw completions
+    assert float32_plain.draft is None and not float32_plain.prompt_lookup
     greedy = SamplingParams(temperature=0)
     for problem in humaneval_prompts(3):
-        spec = decoder.generate(problem["prompt"], max_new_tokens=48, sampling=greedy, chat=False)
-        draft, decoder.draft = decoder.draft, None
-        try:
-            plain = decoder.generate(problem["prompt"], max_new_tokens=48, sampling=greedy, chat=False)
-        finally:
-            decoder.draft = draft
+        spec = decoder.generate(problem["prompt"], max_new_tokens=32, sampling=greedy, chat=False)
+        plain = float32_plain.generate(problem["prompt"], max_new_tokens=32, sampling=greedy, chat=False)
+        assert plain.stats.num_drafted == 0 and plain.stats.num_target_calls == len(plain.token_ids)
         assert spec.token_ids == plain.token_ids, problem["task_id"]
         assert spec.stats.num_target_calls < plain.stats.num_target_calls
         assert spec.stats.acceptance_rate > 0.3
@@ -61,6 +65,7 @@ def test_default_pair_batch_of_two_humaneval_prompts_equals_each_alone(float32_d
         assert got.stats.num_accepted > 0 and got.stats.num_target_calls < 16
 
 
+@pytest.mark.slow
 def test_quick_bench_and_alpha_run_on_the_default_pair(tmp_path):
     # The --quick modes are what CI runs of `specdecode bench` and `specdecode alpha` (~4 min).
     from specdecode.cli import main

@@ -52,5 +52,6 @@ def test_filters_apply_per_row_in_a_batch():
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=math.nan), dict(top_p=0.0),
                                     dict(top_p=1.5), dict(top_k=-1), dict(min_p=1.0), dict(min_p=-0.1)])
 def test_bad_sampling_params_raise(kwargs):
-    with pytest.raises(ValueError):
+    (name, value), = kwargs.items()
+    with pytest.raises(ValueError, match=f"{name} must be .*, got {value}"):
         SamplingParams(**kwargs)

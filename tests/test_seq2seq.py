@@ -10,14 +10,13 @@ import torch
 from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
 from specdecode import SamplingParams, SpeculativeDecoder
-from specdecode.engine.driver import run
-from specdecode.engine.request import DecodeConfig
+from specdecode.engine.driver import run_all
+from specdecode.engine.request import DecodeConfig, Request
 from specdecode.models import Seq2SeqLM
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import adjust
 
-from conftest import chi2_pvalue
-from test_exactness import MislabelledProposer
+from helpers import MislabelledProposer, chi2_pvalue, decode, tiny_llama
 
 VOCAB = 48
 
@@ -30,6 +29,8 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
 SOURCE = [5, 17, 33, 2, 41, 8, 1]  # encoder input, ending in T5's </s> (id 1)
 
 
@@ -64,10 +65,9 @@ def t5_pair():
     return target, noisy_copy(target, 0.02, seed=1)
 
 
-def backend(model, source=SOURCE):
-    b = Seq2SeqLM(model)
-    b.set_input(source)
-    return b
+def run_seq2seq(target, proposer, config, source=SOURCE):
+    """One request through the engine: the encoder reads `source`, the decoder starts from 0."""
+    return run_all(target, proposer, [Request([0], config, encoder_input_ids=source)])[0]
 
 
 def greedy(n, k, eos=()):
@@ -87,22 +87,23 @@ def test_speculative_greedy_equals_transformers_generate_token_for_token(t5_pair
     target, draft = t5_pair
     # An EOS id the target really emits (the first token that first appears at position >= 3),
     # so stopping is compared too.
-    free_run = run(backend(target), None, [0], greedy(24, 0)).token_ids
+    free_run = run_seq2seq(Seq2SeqLM(target), None, greedy(24, 0)).token_ids
     eos = next(t for i, t in enumerate(free_run) if i >= 3 and t not in free_run[:i])
     reference = reference_generate(target, SOURCE, 24, eos)
     assert reference[-1] == eos and len(reference) < 24
-    spec = run(backend(target), DraftModelProposer(backend(draft)), [0], greedy(24, k, eos=[eos]))
+    spec = run_seq2seq(Seq2SeqLM(target), DraftModelProposer(Seq2SeqLM(draft)), greedy(24, k, eos=[eos]))
     assert spec.token_ids == reference and spec.finish_reason == "eos"
     assert 0 < spec.stats.num_accepted < spec.stats.num_drafted  # both paths exercised
     # Without an EOS: the full length, still equal.
-    long = run(backend(target), DraftModelProposer(backend(draft)), [0], greedy(40, k))
+    long = run_seq2seq(Seq2SeqLM(target), DraftModelProposer(Seq2SeqLM(draft)), greedy(40, k))
     assert long.token_ids == reference_generate(target, SOURCE, 40, None)
 
 
 class CheckedSeq2Seq(Seq2SeqLM):
     """At every forward: the self-attention cache holds exactly the tokens the backend was told
     to keep, the cross-attention cache is untouched, and the logits from the rolled-back cache
-    equal those of a fresh forward over the whole decoder sequence without a cache."""
+    equal those of a fresh forward over the whole decoder sequence without a cache. Keeps the
+    decoder tokens held after the last truncate (the row leaves the backend when it finishes)."""
 
     def __init__(self, model, committed):
         super().__init__(model)
@@ -110,30 +111,36 @@ class CheckedSeq2Seq(Seq2SeqLM):
         self.tokens: list[int] = []
         self.snapshots = []
         self.max_error = 0.0
+        self.after_truncate = None
 
     def reset(self):
         super().reset()
         self.tokens = []
 
-    def forward(self, tokens, num_logits):
-        assert self.cache.get_seq_length() == self.length == len(self.tokens)
+    def add_row(self, encoder_input_ids=None):
+        super().add_row(encoder_input_ids)
+        self.tokens = []
+
+    def forward(self, feeds, num_logits):
+        assert self.cache.get_seq_length() == len(self.tokens) and self.lengths == [len(self.tokens)]
         if self._cross_cache is not None:
             assert self.cache.cross_attention_cache is self._cross_cache
             assert self._cross_cache.get_seq_length() == len(self.input_ids)
-        self.snapshots.append((list(self.tokens), tokens.tolist(), len(self.committed)))
-        logits = super().forward(tokens, num_logits)
-        self.tokens += tokens.tolist()
+        self.snapshots.append((list(self.tokens), list(feeds[0]), len(self.committed)))
+        logits = super().forward(feeds, num_logits)  # [1, num_logits, V]
+        self.tokens += feeds[0]
         with torch.no_grad():
             fresh = self.model(input_ids=torch.tensor([self.input_ids]),
                                decoder_input_ids=torch.tensor([self.tokens])).logits[0, -num_logits:]
         # relative to the logits' scale (they reach the hundreds at init=5): float32 rounding only
-        self.max_error = max(self.max_error, float((fresh - logits).abs().max() / fresh.abs().max()))
+        self.max_error = max(self.max_error, float((fresh - logits[0]).abs().max() / fresh.abs().max()))
         return logits
 
-    def truncate(self, length):
-        super().truncate(length)
-        del self.tokens[length:]
-        assert self.cache.get_seq_length() == self.length == len(self.tokens)
+    def truncate(self, lengths):
+        super().truncate(lengths)
+        del self.tokens[lengths[0]:]
+        assert self.cache.get_seq_length() == len(self.tokens) and self.lengths == [len(self.tokens)]
+        self.after_truncate = list(self.tokens)
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=0), SamplingParams(seed=3)], ids=["greedy", "t1"])
@@ -141,10 +148,8 @@ def test_decoder_cache_holds_exactly_the_committed_prefix_after_every_step(t5_pa
     target_model, draft_model = t5_pair
     committed = [0]
     target, draft = CheckedSeq2Seq(target_model, committed), CheckedSeq2Seq(draft_model, committed)
-    target.set_input(SOURCE)
-    draft.set_input(SOURCE)
     config = DecodeConfig(max_new_tokens=30, sampling=sampling, num_speculative_tokens=4)
-    for event in decode(target, DraftModelProposer(draft), [0], config):
+    for event in decode(target, DraftModelProposer(draft), [0], config, encoder_input_ids=SOURCE):
         committed.append(event.token_id)
     assert len(committed) == 31
     for i, (cache, fed, n) in enumerate(target.snapshots):
@@ -157,7 +162,7 @@ def test_decoder_cache_holds_exactly_the_committed_prefix_after_every_step(t5_pa
         first_forward_of_step.setdefault(n, (cache, fed))
     for n, (cache, fed) in first_forward_of_step.items():  # a committed prefix, completed by its feed
         assert cache + fed == committed[:n]
-    assert target.tokens == committed[:-1]
+    assert target.after_truncate == committed[:-1]  # all but the last token, which is pending
     assert target.max_error < 1e-5 and draft.max_error < 1e-5
     # drafts scored (and rolled back) at every step but a last one clipped to γ = 0
     assert sum(len(fed) > 1 for _, fed, _ in target.snapshots) >= len(target.snapshots) - 1
@@ -167,28 +172,49 @@ def test_decoder_cache_holds_exactly_the_committed_prefix_after_every_step(t5_pa
 
 def test_same_input_keeps_the_encoder_output_and_a_new_input_replaces_it(t5_pair):
     target, _ = t5_pair
-    b = backend(target)
-    b.forward(torch.tensor([0, 7, 9]), 1)
+    b = Seq2SeqLM(target)
+    b.add_row(SOURCE)
+    b.forward([[0, 7, 9]], 1)
     encoded, cross = b._encoder_outputs, b.cache.cross_attention_cache
-    b.set_input(list(SOURCE))  # the same input: the decoder cache empties, the encoder side stays
-    assert b.length == 0 and b.cache.get_seq_length() == 0
+    b.reset()
+    b.add_row(list(SOURCE))  # the same input: the decoder cache empties, the encoder side stays
+    assert b.lengths == [0] and b.cache.get_seq_length() == 0
     assert b._encoder_outputs is encoded and b.cache.cross_attention_cache is cross
-    first = b.forward(torch.tensor([0, 7]), 1)
-    b.set_input([6, 6, 1])
+    first = b.forward([[0, 7]], 1)[0]
+    b.reset()
+    b.add_row([6, 6, 1])
     assert b._encoder_outputs is not encoded
-    other = b.forward(torch.tensor([0, 7]), 1)
+    other = b.forward([[0, 7]], 1)[0]
     with torch.no_grad():
         fresh = target(input_ids=torch.tensor([[6, 6, 1]]), decoder_input_ids=torch.tensor([[0, 7]])).logits[0, -1:]
     assert torch.allclose(other, fresh, atol=1e-5) and not torch.allclose(first, other)
 
 
-def test_forward_before_set_input_and_decoder_only_models_raise():
-    from test_transformers import tiny_llama
-
-    with pytest.raises(RuntimeError, match="set_input"):
-        Seq2SeqLM(tiny_t5(0, layers=1)).forward(torch.tensor([0]), 1)
+def test_forward_without_a_row_a_row_without_input_a_second_row_and_decoder_only_models_raise():
+    b = Seq2SeqLM(tiny_t5(0, layers=1))
+    with pytest.raises(ValueError, match=r"need 0 non-empty feed\(s\)"):
+        b.forward([[0]], 1)
+    with pytest.raises(ValueError, match="needs the request's encoder input"):
+        b.add_row()
+    b.add_row(SOURCE)
+    assert b.max_rows == 1 and b.num_rows == 1
+    with pytest.raises(ValueError, match="holds one row at a time"):
+        b.add_row(SOURCE)
     with pytest.raises(ValueError, match="not an encoder-decoder"):
         Seq2SeqLM(tiny_llama(0, layers=1))
+
+
+def test_the_engine_queues_requests_for_the_one_row_backend_and_each_equals_its_run_alone(t5_pair):
+    target, draft = t5_pair
+    sources = [SOURCE, [6, 6, 1], [9, 30, 12, 1]]
+    configs = [greedy(12, 3), DecodeConfig(max_new_tokens=10, sampling=SamplingParams(seed=4),
+                                           num_speculative_tokens=2), greedy(8, 4)]
+    requests = [Request([0], config, encoder_input_ids=source) for source, config in zip(sources, configs)]
+    batch = run_all(Seq2SeqLM(target), DraftModelProposer(Seq2SeqLM(draft)), requests)
+    for source, config, got in zip(sources, configs, batch):
+        alone = run_seq2seq(Seq2SeqLM(target), DraftModelProposer(Seq2SeqLM(draft)), config, source)
+        assert got.token_ids == alone.token_ids and len(got.token_ids) == config.max_new_tokens
+    assert len({tuple(r.token_ids[:8]) for r in batch}) == 3  # each row decoded its own input
 
 
 # --- exact distribution at temperature 1 ---
@@ -233,11 +259,11 @@ def pooled(observed, probs, runs, min_expected=5.0):
 def seq2seq_loop_counts(pair, make_proposer, runs):
     target_model, draft_model = pair
     source = [3, 4, 5, 1]
-    target, draft = backend(target_model, source), backend(draft_model, source)
+    target, draft = Seq2SeqLM(target_model), Seq2SeqLM(draft_model)
     counts = Counter()
     for seed in range(runs):
         config = DecodeConfig(max_new_tokens=DIST_LEN, sampling=SamplingParams(seed=seed), num_speculative_tokens=DIST_K)
-        counts[tuple(run(target, make_proposer(draft), [0], config).token_ids)] += 1
+        counts[tuple(run_seq2seq(target, make_proposer(draft), config, source).token_ids)] += 1
     expected = exact_sequence_probs(target_model, source, DIST_LEN)
     seqs = sorted(expected)
     return pooled([counts[s] for s in seqs], [expected[s] for s in seqs], runs)
@@ -271,9 +297,7 @@ def test_bart_speculative_greedy_equals_transformers_generate():
     source = [0, 9, 14, 22, 5, 2]
     start = Seq2SeqLM(target).decoder_start_token_id
     b_target, b_draft = Seq2SeqLM(target), Seq2SeqLM(draft)
-    b_target.set_input(source)
-    b_draft.set_input(source)
-    spec = run(b_target, DraftModelProposer(b_draft), [start], greedy(30, 3))
+    spec = run_all(b_target, DraftModelProposer(b_draft), [Request([start], greedy(30, 3), encoder_input_ids=source)])[0]
     with torch.no_grad():
         reference = target.generate(torch.tensor([source]), max_new_tokens=30, do_sample=False, eos_token_id=None,
                                     pad_token_id=1, forced_bos_token_id=None, forced_eos_token_id=None)
@@ -330,8 +354,6 @@ def test_decoder_loads_seq2seq_paths_and_matches_generate(seq2seq_dirs, char_tok
 def test_encoder_decoder_and_decoder_only_models_do_not_mix(seq2seq_dirs):
     from transformers import AutoTokenizer
 
-    from test_transformers import tiny_llama
-
     tokenizer = AutoTokenizer.from_pretrained(seq2seq_dirs["target"])
     llama = tiny_llama(0, layers=1, vocab=len(tokenizer))
     with pytest.raises(ValueError, match="encoder-decoder model but draft"):
@@ -345,16 +367,17 @@ def test_encoder_decoder_and_decoder_only_models_do_not_mix(seq2seq_dirs):
     decoder = SpeculativeDecoder(seq2seq_dirs["target"], None, dtype="float32")
     with pytest.raises(ValueError, match="chat=True"):
         decoder.generate("abc", max_new_tokens=2, chat=True)
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="prompt is empty"):
         decoder.generate("", max_new_tokens=2)
 
 
 def test_prompt_lookup_on_the_decoder_keeps_the_greedy_output(t5_pair):
     target, draft = t5_pair
-    plain = run(backend(target), None, [0], greedy(40, 0))
-    proposer = PromptLookupProposer(VOCAB, max_ngram=2, min_ngram=1, fallback=DraftModelProposer(backend(draft)))
-    assert run(backend(target), proposer, [0], greedy(40, 4)).token_ids == plain.token_ids
-    assert proposer.num_lookups > 0
+    plain = run_seq2seq(Seq2SeqLM(target), None, greedy(40, 0))
+    proposer = PromptLookupProposer(VOCAB, max_ngram=2, min_ngram=1, fallback=DraftModelProposer(Seq2SeqLM(draft)))
+    spec = run_seq2seq(Seq2SeqLM(target), proposer, greedy(40, 4))
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.num_lookup_steps > 0
 
 
 def test_cli_runs_an_encoder_decoder_pair(seq2seq_dirs, capsys):

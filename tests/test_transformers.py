@@ -3,7 +3,6 @@ greedy decoding token for token, and transformers' own generate."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdecode import SamplingParams
 from specdecode.engine.driver import run
@@ -11,16 +10,7 @@ from specdecode.engine.request import DecodeConfig
 from specdecode.models import HFCausalLM
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 
-VOCAB = 96
-
-
-def tiny_llama(seed, layers=2, hidden=64, vocab=VOCAB):
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
-                         pad_token_id=None, tie_word_embeddings=False)
-    return LlamaForCausalLM(config).eval()
+from helpers import PROMPT, VOCAB, greedy, single_row_logits, tiny_llama, tiny_mistral
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +22,6 @@ def pair():
         for param in draft.parameters():
             param.add_(0.005 * torch.randn_like(param))
     return target, draft
-
-
-PROMPT = [5, 17, 33, 2, 71, 40, 8]
-
-
-def greedy(n):
-    return DecodeConfig(max_new_tokens=n, sampling=SamplingParams(temperature=0), num_speculative_tokens=0)
 
 
 @pytest.mark.parametrize("k,confidence", [(1, 0.0), (3, 0.0), (8, 0.0), (8, 0.3)])
@@ -69,13 +52,13 @@ def test_lookup_with_vocab_limited_draft_keeps_greedy_output(pair):
     spec = run(HFCausalLM(target), proposer, PROMPT,
                DecodeConfig(max_new_tokens=64, sampling=SamplingParams(temperature=0), num_speculative_tokens=6))
     assert spec.token_ids == plain.token_ids
-    assert proposer.num_lookups > 0 and spec.stats.num_accepted > 0
+    assert spec.stats.num_lookup_steps > 0 and spec.stats.num_accepted > 0
 
 
 def test_vocab_limited_backend_returns_the_first_rows_of_the_full_logits(pair):
     target, _ = pair
-    full = HFCausalLM(target).forward(torch.tensor(PROMPT), 3)
-    limited = HFCausalLM(target, vocab_limit=40).forward(torch.tensor(PROMPT), 3)
+    full = single_row_logits(HFCausalLM(target), PROMPT, 3)
+    limited = single_row_logits(HFCausalLM(target, vocab_limit=40), PROMPT, 3)
     assert limited.shape == (3, 40)
     assert torch.allclose(limited, full[:, :40], atol=1e-5)
 
@@ -92,24 +75,17 @@ def test_unrelated_draft_still_gives_target_greedy_output(pair):
 def test_rollback_leaves_the_kv_cache_exactly_at_the_committed_length(pair):
     target, draft = pair
     backend = HFCausalLM(target)
-    backend.forward(torch.tensor(PROMPT), 1)
-    logits_full = backend.forward(torch.tensor([1, 2, 3, 4]), 4)
-    backend.truncate(len(PROMPT) + 1)
-    assert backend.cache.get_seq_length() == backend.length == len(PROMPT) + 1
-    again = backend.forward(torch.tensor([2, 9]), 2)
+    backend.add_row()
+    backend.forward([PROMPT], 1)
+    logits_full = backend.forward([[1, 2, 3, 4]], 4)[0]
+    backend.truncate([len(PROMPT) + 1])
+    assert backend.cache.get_seq_length() == len(PROMPT) + 1 and backend.lengths == [len(PROMPT) + 1]
+    assert backend.num_slots == len(PROMPT) + 1  # one row's rollback crops: no dead slots remain
+    again = backend.forward([[2, 9]], 2)[0]
     assert torch.allclose(again[0], logits_full[1], atol=1e-5)
 
 
 def test_sliding_window_model_rolls_back_past_its_window():
-    from transformers import MistralConfig, MistralForCausalLM
-
-    def tiny_mistral(seed, layers):
-        torch.manual_seed(seed)
-        config = MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                               sliding_window=8, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-        return MistralForCausalLM(config).eval()
-
     target, draft = tiny_mistral(0, 2), tiny_mistral(1, 1)
     plain = run(HFCausalLM(target), None, [1, 2, 3], greedy(40))
     spec = run(HFCausalLM(target), DraftModelProposer(HFCausalLM(draft)), [1, 2, 3],

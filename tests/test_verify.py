@@ -5,7 +5,7 @@ import torch
 from specdecode.sampling import SamplingParams, adjust
 from specdecode.verify import acceptance_probs, residual_distribution, speculative_step
 
-from conftest import chi2_pvalue, random_probs
+from helpers import chi2_pvalue, random_probs
 
 
 def step_output_distribution(p, q, lenience=1.0, residual=residual_distribution):
