@@ -28,11 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs one command; returns the exit status (2 for bad input)."""
+    """Runs one command; returns the exit status (2 for bad input, 130 after Ctrl-C)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command].run(args, parser)
+    except KeyboardInterrupt:  # Ctrl-C: whatever was printed stays, no traceback
+        print("specdecode: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # e.g. `specdecode generate ... | head`: the reader left
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        # Python flushes stdout at exit: point it at /dev/null so that flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
     gen = sub.add_parser(
         "generate", help="generate text from a prompt",
         description="Generate text with the target model, speculating with the draft model. Text streams "
-                    "to stdout as it is accepted; a one-line summary goes to stderr.")
+                    "to stdout as it is accepted; a one-line summary goes to stderr. Ctrl-C stops it with "
+                    "exit status 130, keeping the text printed so far.")
     gen.add_argument("prompt", nargs="?",
                      help="the prompt text, '-' to read stdin, or @FILE to read a file (or use --prompts-file)")
     gen.add_argument("--prompts-file", metavar="FILE",
@@ -79,7 +80,7 @@ def run(args, parser) -> int:
     for index, result in enumerate(results):
         if args.json:
             record = ({"index": index} if batch else {}) | result.to_dict()
-            print(json.dumps(record, ensure_ascii=False))
+            sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")  # one write: no half line
         elif batch:
             print(f"===== prompt {index + 1}/{len(results)} =====\n{result.text}")
         else:
@@ -123,24 +124,39 @@ def _parse(args, parser):
 
 
 def _print_stream(stream, args):
-    """Writes each token's text to stdout as it is accepted (nothing with --json); returns the result."""
-    for event in stream:
-        if args.json:
-            continue
-        if args.show_tokens and event.origin in COLOURS and event.text:
-            sys.stdout.write(COLOURS[event.origin] + event.text + RESET)
-        else:
-            sys.stdout.write(event.text)
-        sys.stdout.flush()
+    """Writes each token's text to stdout as it is accepted (nothing with --json); returns the result.
+
+    Ctrl-C ends the line written so far (and any colour) before it propagates.
+    """
+    line_open = False
+    try:
+        for event in stream:
+            if args.json or not event.text:
+                continue
+            if args.show_tokens and event.origin in COLOURS:
+                sys.stdout.write(COLOURS[event.origin] + event.text + RESET)
+            else:
+                sys.stdout.write(event.text)
+            sys.stdout.flush()
+            line_open = True
+    except KeyboardInterrupt:
+        if line_open:
+            sys.stdout.write((RESET if args.show_tokens else "") + "\n")
+            sys.stdout.flush()
+        raise
     return stream.result
 
 
 def summary(result) -> str:
     """The one-line stderr summary of a result."""
     s = result.stats
-    line = (f"{s.num_generated} tokens in {s.wall_time_s:.2f} s ({s.tokens_per_second:.2f} tokens/s), "
+    line = (f"{_count(s.num_generated, 'token')} in {s.wall_time_s:.2f} s ({s.tokens_per_second:.2f} tokens/s), "
             f"finish: {result.finish_reason}, target calls: {s.num_target_calls}, "
             f"mean tokens per target call: {s.mean_tokens_per_call:.2f}")
     if s.num_drafted:
         line += f", acceptance rate: {s.acceptance_rate:.3f} ({s.num_accepted}/{s.num_drafted})"
     return line
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
