@@ -148,3 +148,72 @@ def test_an_unknown_model_exits_2_with_one_line(capsys):
     assert main(["generate", "hi", "--target", "./no/such/dir", "--draft", "none"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("specdecode: error: ") and "./no/such/dir" in err[0]
+
+
+def test_the_default_out_is_a_new_dated_folder_of_its_own():
+    from datetime import datetime
+
+    from specdecode.cli.common import default_out
+
+    assert default_out("alpha", datetime(2025, 1, 2, 3, 4, 5)) == Path("specdecode-runs/alpha-20250102-030405/alpha")
+
+
+def test_an_existing_default_folder_is_refused_but_an_explicit_out_is_kept(tmp_path, monkeypatch):
+    from datetime import datetime
+
+    from specdecode.cli.common import out_path
+
+    monkeypatch.chdir(tmp_path)
+    now = datetime(2025, 1, 2, 3, 4, 5)
+    assert out_path(None, "bench", now) == str(Path("specdecode-runs/bench-20250102-030405/bench"))
+    assert not (tmp_path / "specdecode-runs").exists()  # picking a path writes nothing
+    (tmp_path / "specdecode-runs" / "bench-20250102-030405").mkdir(parents=True)
+    with pytest.raises(FileExistsError, match="bench-20250102-030405 already exists; pass --out PATH"):
+        out_path(None, "bench", now)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "bench.md").write_text("old")
+    assert out_path("docs/bench", "bench", now) == "docs/bench"  # named by the user: theirs to overwrite
+
+
+@pytest.fixture
+def fake_reports(monkeypatch):
+    """alpha_report and bench_report replaced by fakes that record `out` and write OUT.md; no model loads."""
+    import specdecode.measure.alpha
+    import specdecode.measure.bench
+
+    outs = []
+
+    def fake_report(decoder, *args, out, **kwargs):
+        outs.append(out)
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out + ".md").write_text("# the report\n")
+
+    monkeypatch.setattr(specdecode.measure.alpha, "alpha_report", fake_report)
+    monkeypatch.setattr(specdecode.measure.bench, "bench_report", fake_report)
+    for command in ("alpha", "bench"):
+        monkeypatch.setattr(f"specdecode.cli.{command}.build_decoder", lambda args, progress: SimpleNamespace(draft=None))
+    return outs
+
+
+@pytest.mark.parametrize("command", ["alpha", "bench"])
+def test_alpha_and_bench_write_into_a_new_folder_by_default(command, fake_reports, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main([command, "--tasks", "translation"]) == 0
+    [out] = fake_reports
+    assert Path(out).parent.parent == Path("specdecode-runs") and Path(out).name == command
+    assert Path(out).parent.name.startswith(f"{command}-")
+    captured = capsys.readouterr()
+    assert "# the report" in captured.out and f"wrote {out}.json, {out}.md" in captured.err
+
+
+@pytest.mark.parametrize("command", ["alpha", "bench"])
+def test_alpha_and_bench_refuse_an_existing_default_folder(command, fake_reports, tmp_path, monkeypatch, capsys):
+    import specdecode.cli.common
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(specdecode.cli.common, "default_out", lambda command, now=None: Path("runs/same") / command)
+    (tmp_path / "runs" / "same").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="^2$"):
+        main([command, "--tasks", "translation"])
+    assert "runs/same already exists; pass --out PATH" in capsys.readouterr().err.splitlines()[-1]
+    assert fake_reports == []

@@ -6,10 +6,12 @@ from pathlib import Path
 
 from specdecode.cli.common import (
     add_model_flags,
+    add_out_flag,
     add_task_flags,
     build_decoder,
     check_model_flags,
     error,
+    out_path,
     require_bench_extras,
     stderr_progress,
 )
@@ -31,7 +33,7 @@ def add_parser(sub) -> None:
     alpha.add_argument("--lenience", type=float, nargs="*", default=[], metavar="L",
                        help="also report the draft model's LOSSY α under lenience l (paper A.5, Table 5) for each "
                             "l in (0, 1): Σ min(p/l, q) when sampling, p(x) >= l·max p when greedy")
-    alpha.add_argument("--out", default="docs/alpha", help="output path without extension (default: docs/alpha)")
+    add_out_flag(alpha, "alpha")
     alpha.add_argument("--quick", action="store_true",
                        help="a smoke run in a few minutes: tasks code and translation, 2 prompts, 24 tokens")
     add_model_flags(alpha)
@@ -50,7 +52,10 @@ def run(args, parser) -> int:
     if any(not 0 < value < 1 for value in args.lenience):
         parser.error("--lenience values must be in (0, 1)")
     require_bench_extras(parser, args.tasks)
-    out = args.out
+    try:
+        out = out_path(args.out, "alpha")
+    except FileExistsError as err:
+        parser.error(str(err))
     args.guard = False  # α needs no run-time guard (and not its ~3 s of timing at load)
     progress = stderr_progress(args)
     try:
@@ -61,4 +66,6 @@ def run(args, parser) -> int:
     except (ValueError, FileNotFoundError, ImportError) as err:
         return error(err)
     print(Path(out + ".md").read_text(encoding="utf-8"))
+    if progress:
+        progress(f"wrote {out}.json, {out}.md and {out}_alpha.png")
     return 0

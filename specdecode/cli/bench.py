@@ -7,10 +7,12 @@ from pathlib import Path
 
 from specdecode.cli.common import (
     add_model_flags,
+    add_out_flag,
     add_task_flags,
     build_decoder,
     check_model_flags,
     error,
+    out_path,
     require_bench_extras,
     stderr_progress,
 )
@@ -49,7 +51,7 @@ def add_parser(sub) -> None:
                             "(e.g. 0.5 0.3 0.1); reported beside the exact runs, never as a speedup of exact decoding")
     bench.add_argument("--batch-size", type=int, nargs="*", default=[], metavar="N",
                        help="also time batched plain and speculative decoding (γ = 4) at these batch sizes, e.g. 1 2 4 8")
-    bench.add_argument("--out", default="docs/bench", help="output path without extension (default: docs/bench)")
+    add_out_flag(bench, "bench")
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run in a few minutes: 2 prompts, 24 tokens, 1 repeat, γ 2 and 4")
     add_model_flags(bench)
@@ -64,7 +66,10 @@ def run(args, parser) -> int:
         sampling = SamplingParams(temperature=args.temperature)
     except ValueError as err:
         parser.error(str(err))
-    out = args.out
+    try:
+        out = out_path(args.out, "bench")
+    except FileExistsError as err:
+        parser.error(str(err))
     progress = stderr_progress(args)
     try:
         decoder = build_decoder(args, progress)
@@ -84,6 +89,8 @@ def run(args, parser) -> int:
     except (ValueError, FileNotFoundError, ImportError) as err:
         return error(err)
     print(Path(out + ".md").read_text(encoding="utf-8"))
+    if progress:
+        progress(f"wrote {out}.json, {out}.md and {out}_*.png")
     return 0
 
 

@@ -6,6 +6,8 @@ import argparse
 import importlib.util
 import json
 import sys
+from datetime import datetime
+from pathlib import Path
 
 from specdecode.decoder import (
     DEFAULT_DRAFT_CONFIDENCE,
@@ -15,6 +17,10 @@ from specdecode.decoder import (
     QUANTIZATIONS,
 )
 from specdecode.models import zoo
+
+# alpha and bench write here by default, one new folder per run, so that a run from the clone
+# never overwrites the measurements in docs/ (those pass --out docs/NAME explicitly).
+RUNS_DIR = "specdecode-runs"
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +84,33 @@ def add_task_flags(parser: argparse.ArgumentParser, default_tasks: list[str], de
                              f"(default: {' '.join(default_tasks)})")
     parser.add_argument("--prompts", type=int, default=default_prompts,
                         help=f"prompts per task, the first N of each (default: {default_prompts})")
+
+
+def add_out_flag(parser: argparse.ArgumentParser, command: str) -> None:
+    parser.add_argument("--out", default=None, metavar="PATH",
+                        help="output path without extension; files already there are overwritten (default: "
+                             f"{RUNS_DIR}/{command}-DATE-TIME/{command} under the current directory, a new "
+                             "folder per run)")
+
+
+def default_out(command: str, now: datetime | None = None) -> Path:
+    """RUNS_DIR/COMMAND-YYYYmmdd-HHMMSS/COMMAND, relative to the current directory (local time)."""
+    now = now or datetime.now()
+    return Path(RUNS_DIR) / f"{command}-{now:%Y%m%d-%H%M%S}" / command
+
+
+def out_path(out: str | None, command: str, now: datetime | None = None) -> str:
+    """The output stem: OUT as given (the user named it, so it may be overwritten), else a new default.
+
+    Raises:
+        FileExistsError: the default run folder already exists (another run started in the same second).
+    """
+    if out is not None:
+        return out
+    stem = default_out(command, now)
+    if stem.parent.exists():
+        raise FileExistsError(f"{stem.parent} already exists; pass --out PATH to choose where to write")
+    return str(stem)
 
 
 def require_bench_extras(parser: argparse.ArgumentParser, tasks: list[str]) -> None:
