@@ -1,8 +1,13 @@
-"""The `specdecode` command on tiny local models: Ctrl-C, the summary line, usage errors."""
+"""The `specdecode` command on tiny local models: Ctrl-C, the summary line, usage errors, where alpha
+and bench write, and the README's command-line examples."""
 
+import io
+import itertools
 import json
 import os
+import re
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,6 +21,7 @@ from specdecode.cli import main
 from specdecode.cli.generate import summary
 
 ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +223,46 @@ def test_alpha_and_bench_refuse_an_existing_default_folder(command, fake_reports
         main([command, "--tasks", "translation"])
     assert "runs/same already exists; pass --out PATH" in capsys.readouterr().err.splitlines()[-1]
     assert fake_reports == []
+
+
+def _readme_command_lines(section: str = "") -> list[str]:
+    """The lines of README.md's bash blocks that run specdecode (continuations joined), within the
+    `## section` if given."""
+    text = README.read_text(encoding="utf-8")
+    if section:
+        text = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.DOTALL)
+    return [line for block in blocks for line in block.replace("\\\n", " ").splitlines() if "specdecode " in line]
+
+
+def test_every_prompt_file_the_readme_names_exists():
+    paths = []
+    for line in _readme_command_lines():
+        words = shlex.split(line, comments=True)
+        paths += [word[1:] for word in words if word.startswith("@")]
+        paths += [after for word, after in itertools.pairwise(words) if word == "--prompts-file"]
+    assert len(paths) >= 3, paths
+    assert [path for path in paths if not (ROOT / path).is_file()] == []
+
+
+def test_the_readmes_generate_examples_run_as_written_from_the_repo_root(long_model_dirs, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    models = ["--target", long_model_dirs["target"], "--draft", long_model_dirs["draft"], "--dtype", "float32"]
+    ran = []
+    for line in _readme_command_lines("Command line"):
+        piped, _, command = line.rpartition(" | ")
+        argv = shlex.split(command, comments=True)
+        if argv[:2] != ["specdecode", "generate"] or "--help" in argv:
+            continue
+        if piped:  # echo TEXT | specdecode generate -
+            echo = shlex.split(piped)
+            assert echo[0] == "echo", line
+            monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO((" ".join(echo[1:]) + "\n").encode())))
+        # The example's own flags come after ours, so its --draft none wins; only the length is cut.
+        assert main(["generate", *models, *argv[2:], "--max-new-tokens", "4", "--quiet"]) == 0, line
+        out = capsys.readouterr().out
+        if "--json" in argv:
+            records = [json.loads(record) for record in out.splitlines()]
+            assert len(records) == (4 if "--prompts-file" in argv else 1), line
+        ran.append(line)
+    assert len(ran) == 6, ran
