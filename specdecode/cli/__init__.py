@@ -1,0 +1,42 @@
+"""The `specdecode` command: parses, builds dataclasses, calls the library, prints.
+
+One module per command (generate, alpha, bench), each with `add_parser(sub)` and `run(args, parser)`;
+`common` holds the shared model and speed flags, prompt reading, progress and the decoder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from specdecode.cli import alpha, bench, generate
+
+COMMANDS = {"generate": generate, "alpha": alpha, "bench": bench}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdecode",
+        description="Exact speculative decoding (Leviathan et al., ICML 2023): a draft model proposes "
+                    "tokens, the target verifies them in one call, and the output is distributed "
+                    "exactly as sampling the target alone.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS.values():
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one command; returns the exit status (2 for bad input, 130 after Ctrl-C)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command].run(args, parser)
+    except KeyboardInterrupt:  # Ctrl-C: whatever was printed stays, no traceback
+        print("specdecode: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `specdecode generate ... | head`: the reader left
+        # Python flushes stdout at exit: point it at /dev/null so that flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

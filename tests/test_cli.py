@@ -1,0 +1,268 @@
+"""The `specdecode` command on tiny local models: Ctrl-C, the summary line, usage errors, where alpha
+and bench write, and the README's command-line examples."""
+
+import io
+import itertools
+import json
+import os
+import re
+import select
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from specdecode.cli import main
+from specdecode.cli.generate import summary
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+@pytest.fixture(scope="module")
+def long_model_dirs(model_dirs, tmp_path_factory):
+    """The tiny target and draft with a 16384-token context window: generation runs for minutes."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("long")
+    dirs = {}
+    for name in ("target", "draft"):
+        shutil.copytree(model_dirs[name], root / name)
+        config = json.loads((root / name / "config.json").read_text())
+        config["max_position_embeddings"] = 16384  # rotary positions: nothing is sized by it
+        (root / name / "config.json").write_text(json.dumps(config))
+        dirs[name] = str(root / name)
+    return dirs
+
+
+# A shell started in the background ignores SIGINT, and its children inherit that; the launcher
+# restores the default before exec so that Python installs its Ctrl-C handler (no preexec_fn: this
+# process has torch's threads).
+LAUNCHER = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, sys.argv[1:])"
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    """`python -m specdecode.cli ARGS` from this checkout, with Ctrl-C (SIGINT) enabled."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    return subprocess.Popen([sys.executable, "-c", LAUNCHER, sys.executable, "-m", "specdecode.cli", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
+def _read_until(pipe, enough, timeout_s: float) -> bytes:
+    """Reads `pipe` until enough(data) is true; fails after timeout_s or at end of file."""
+    data, deadline = b"", time.monotonic() + timeout_s
+    while not enough(data):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            pytest.fail(f"no output after {timeout_s} s; got {data!r}")
+        if select.select([pipe], [], [], left)[0]:
+            chunk = os.read(pipe.fileno(), 4096)
+            if not chunk:
+                pytest.fail(f"the command ended before it was interrupted; got {data!r}")
+            data += chunk
+    return data
+
+
+def _interrupt(proc: subprocess.Popen) -> tuple[bytes, bytes]:
+    """Sends Ctrl-C's SIGINT and returns the rest of stdout and stderr (the command must end within 60 s)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _generate_forever(dirs, *extra) -> list[str]:
+    return ["generate", "abc", "--target", dirs["target"], "--draft", dirs["draft"], "--dtype", "float32",
+            "--temperature", "0", "--max-new-tokens", "100000", *extra]
+
+
+def test_ctrl_c_keeps_the_streamed_text_ends_the_line_and_exits_130(long_model_dirs):
+    proc = _start(_generate_forever(long_model_dirs, "--quiet"))
+    try:
+        streamed = _read_until(proc.stdout, lambda data: len(data) >= 8, timeout_s=180)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    rest, err = _interrupt(proc)
+    out = (streamed + rest).decode()
+    assert proc.returncode == 130, err.decode()
+    assert out.endswith("\n") and out.count("\n") == 1 and len(out) > 8  # the text so far, one finished line
+    assert "Traceback" not in err.decode()
+    assert err.decode().splitlines() == ["specdecode: interrupted"]
+
+
+def test_ctrl_c_with_json_prints_nothing_on_stdout_and_one_line_on_stderr(long_model_dirs):
+    proc = _start(_generate_forever(long_model_dirs, "--json", "--no-guard"))
+    try:
+        # The first progress line comes from inside main(); give it time to reach the decode loop.
+        _read_until(proc.stderr, lambda data: b"\n" in data, timeout_s=180)
+        time.sleep(5)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    out, err = _interrupt(proc)
+    assert proc.returncode == 130, err.decode()
+    assert out == b""
+    assert "Traceback" not in err.decode()
+    assert err.decode().splitlines()[-1] == "specdecode: interrupted"
+
+
+def _result(num_generated: int, num_drafted: int = 0):
+    stats = SimpleNamespace(num_generated=num_generated, wall_time_s=0.5, tokens_per_second=2.0,
+                            num_target_calls=1, mean_tokens_per_call=1.0, num_drafted=num_drafted,
+                            num_accepted=num_drafted, acceptance_rate=1.0)
+    return SimpleNamespace(stats=stats, finish_reason="length")
+
+
+@pytest.mark.parametrize("count,words", [(0, "0 tokens in"), (1, "1 token in"), (2, "2 tokens in"),
+                                         (11, "11 tokens in")])
+def test_summary_counts_tokens_in_the_right_number(count, words):
+    assert summary(_result(count)).startswith(words + " 0.50 s (2.00 tokens/s)")
+
+
+def test_summary_of_a_one_token_run_says_1_token(model_dirs, capsys):
+    assert main(["generate", "abc", "--target", model_dirs["target"], "--draft", "none", "--dtype", "float32",
+                 "--max-new-tokens", "1", "--no-guard"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1].startswith("1 token in ")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "hi", "--top-k", "x"], "argument --top-k: invalid int value: 'x'"),
+    (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["generate", "@/no/such/file.txt"], "cannot read the prompt: [Errno 2] No such file or directory"),
+    (["alpha", "--prompts", "0"], "--prompts and --max-new-tokens must be >= 1"),
+    (["bench", "--new-tokens", "1"], "--new-tokens >= 2"),
+])
+def test_bad_flags_exit_2_with_one_error_line(args, message, capsys):
+    with pytest.raises(SystemExit, match="^2$"):
+        main(args)
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0]
+
+
+def test_an_unknown_model_exits_2_with_one_line(capsys):
+    assert main(["generate", "hi", "--target", "./no/such/dir", "--draft", "none"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("specdecode: error: ") and "./no/such/dir" in err[0]
+
+
+def test_the_default_out_is_a_new_dated_folder_of_its_own():
+    from datetime import datetime
+
+    from specdecode.cli.common import default_out
+
+    assert default_out("alpha", datetime(2025, 1, 2, 3, 4, 5)) == Path("specdecode-runs/alpha-20250102-030405/alpha")
+
+
+def test_an_existing_default_folder_is_refused_but_an_explicit_out_is_kept(tmp_path, monkeypatch):
+    from datetime import datetime
+
+    from specdecode.cli.common import out_path
+
+    monkeypatch.chdir(tmp_path)
+    now = datetime(2025, 1, 2, 3, 4, 5)
+    assert out_path(None, "bench", now) == str(Path("specdecode-runs/bench-20250102-030405/bench"))
+    assert not (tmp_path / "specdecode-runs").exists()  # picking a path writes nothing
+    (tmp_path / "specdecode-runs" / "bench-20250102-030405").mkdir(parents=True)
+    with pytest.raises(FileExistsError, match="bench-20250102-030405 already exists; pass --out PATH"):
+        out_path(None, "bench", now)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "bench.md").write_text("old")
+    assert out_path("docs/bench", "bench", now) == "docs/bench"  # named by the user: theirs to overwrite
+
+
+@pytest.fixture
+def fake_reports(monkeypatch):
+    """alpha_report and bench_report replaced by fakes that record `out` and write OUT.md; no model loads."""
+    import specdecode.measure.alpha
+    import specdecode.measure.bench
+
+    outs = []
+
+    def fake_report(decoder, *args, out, **kwargs):
+        outs.append(out)
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out + ".md").write_text("# the report\n")
+
+    monkeypatch.setattr(specdecode.measure.alpha, "alpha_report", fake_report)
+    monkeypatch.setattr(specdecode.measure.bench, "bench_report", fake_report)
+    for command in ("alpha", "bench"):
+        monkeypatch.setattr(f"specdecode.cli.{command}.build_decoder", lambda args, progress: SimpleNamespace(draft=None))
+    return outs
+
+
+@pytest.mark.parametrize("command", ["alpha", "bench"])
+def test_alpha_and_bench_write_into_a_new_folder_by_default(command, fake_reports, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main([command, "--tasks", "translation"]) == 0
+    [out] = fake_reports
+    assert Path(out).parent.parent == Path("specdecode-runs") and Path(out).name == command
+    assert Path(out).parent.name.startswith(f"{command}-")
+    captured = capsys.readouterr()
+    assert "# the report" in captured.out and f"wrote {out}.json, {out}.md" in captured.err
+
+
+@pytest.mark.parametrize("command", ["alpha", "bench"])
+def test_alpha_and_bench_refuse_an_existing_default_folder(command, fake_reports, tmp_path, monkeypatch, capsys):
+    import specdecode.cli.common
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(specdecode.cli.common, "default_out", lambda command, now=None: Path("runs/same") / command)
+    (tmp_path / "runs" / "same").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="^2$"):
+        main([command, "--tasks", "translation"])
+    assert "runs/same already exists; pass --out PATH" in capsys.readouterr().err.splitlines()[-1]
+    assert fake_reports == []
+
+
+def _readme_command_lines(section: str = "") -> list[str]:
+    """The lines of README.md's bash blocks that run specdecode (continuations joined), within the
+    `## section` if given."""
+    text = README.read_text(encoding="utf-8")
+    if section:
+        text = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.DOTALL)
+    return [line for block in blocks for line in block.replace("\\\n", " ").splitlines() if "specdecode " in line]
+
+
+def test_every_prompt_file_the_readme_names_exists():
+    paths = []
+    for line in _readme_command_lines():
+        words = shlex.split(line, comments=True)
+        paths += [word[1:] for word in words if word.startswith("@")]
+        paths += [after for word, after in itertools.pairwise(words) if word == "--prompts-file"]
+    assert len(paths) >= 3, paths
+    assert [path for path in paths if not (ROOT / path).is_file()] == []
+
+
+def test_the_readmes_generate_examples_run_as_written_from_the_repo_root(long_model_dirs, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    models = ["--target", long_model_dirs["target"], "--draft", long_model_dirs["draft"], "--dtype", "float32"]
+    ran = []
+    for line in _readme_command_lines("Command line"):
+        piped, _, command = line.rpartition(" | ")
+        argv = shlex.split(command, comments=True)
+        if argv[:2] != ["specdecode", "generate"] or "--help" in argv:
+            continue
+        if piped:  # echo TEXT | specdecode generate -
+            echo = shlex.split(piped)
+            assert echo[0] == "echo", line
+            monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO((" ".join(echo[1:]) + "\n").encode())))
+        # The example's own flags come after ours, so its --draft none wins; only the length is cut.
+        assert main(["generate", *models, *argv[2:], "--max-new-tokens", "4", "--quiet"]) == 0, line
+        out = capsys.readouterr().out
+        if "--json" in argv:
+            records = [json.loads(record) for record in out.splitlines()]
+            assert len(records) == (4 if "--prompts-file" in argv else 1), line
+        ran.append(line)
+    assert len(ran) == 6, ran
