@@ -78,7 +78,7 @@ def run(args, parser) -> int:
             if label == "ours" or args.quantize_draft == "none":  # ours, or ours is the float one
                 hf_drafts[label] = decoder.draft.backend.model
             else:
-                from specdecode.decoder import load_model
+                from specdecode.models.loading import load_model
 
                 spec = zoo.DEFAULT_DRAFT if args.draft == "default" else args.draft
                 hf_drafts[label] = load_model(spec, decoder.dtype, progress)[0]

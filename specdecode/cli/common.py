@@ -9,7 +9,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from specdecode.decoder import (
+from specdecode.api import (
     DEFAULT_DRAFT_CONFIDENCE,
     DEFAULT_DRAFT_QUANTIZATION,
     DEFAULT_GAMMA,

@@ -14,7 +14,7 @@ from specdecode.cli.common import (
     read_prompts_file,
     stderr_progress,
 )
-from specdecode.decoding import ACCEPTED, BONUS, CORRECTED
+from specdecode.engine.request import ACCEPTED, BONUS, CORRECTED
 
 # Colours of the paper's Figure 1: green = accepted draft token, blue = target's correction
 # after a rejection; the bonus token (all drafts accepted) gets yellow.
@@ -34,8 +34,8 @@ def add_parser(sub) -> None:
                      help="decode many prompts as a batch: one prompt per line, or a .jsonl file of objects "
                           'with a "prompt" field (for prompts with newlines); instead of PROMPT')
     gen.add_argument("--batch-size", type=int, default=None, metavar="N",
-                     help="with --prompts-file, decode N prompts together (default: all; 1 = one at a time). "
-                          "The batch drafts with the draft model only (no prompt lookup)")
+                     help="with --prompts-file, decode up to N prompts together; the next joins as one finishes "
+                          "(default: all; 1 = one at a time). Each row is what it would be alone")
     add_model_flags(gen)
     gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy (default: 1.0)")
     gen.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 = off (default)")
