@@ -171,8 +171,8 @@ def stderr_progress(args):
     return None
 
 
-def build_decoder(args, progress):
-    """The SpeculativeDecoder the model flags describe."""
+def build_decoder(args, progress, **extra):
+    """The SpeculativeDecoder the model flags describe (and `extra` keyword arguments)."""
     from specdecode import SpeculativeDecoder
 
     return SpeculativeDecoder(args.target, None if args.draft == "none" else args.draft,
@@ -180,7 +180,7 @@ def build_decoder(args, progress):
                               draft_confidence=args.draft_confidence, gamma_schedule=args.gamma_schedule,
                               draft_vocab_limit=args.draft_vocab_limit or "auto",
                               prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft, guard=args.guard,
-                              dtype=args.dtype, progress=progress)
+                              dtype=args.dtype, progress=progress, **extra)
 
 
 def error(err: Exception) -> int:

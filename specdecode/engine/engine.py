@@ -40,11 +40,15 @@ from specdecode.verify import greedy_lenient_step, speculative_step
 
 @dataclass
 class StepOutput:
-    """What one request got from one step: its new tokens, and its result once it finished."""
+    """What one request got from one step: its new tokens, the step's drafts verified and accepted
+    (as counted in its stats: rule 4), its running statistics, and its result once it finished."""
 
     request_id: int
     events: list[TokenEvent]
     result: GenerationResult | None = None
+    num_drafted: int = 0
+    num_accepted: int = 0
+    stats: GenerationStats | None = None
 
 
 class _Row:
@@ -158,6 +162,14 @@ class Engine:
                 return row.result()
         return None
 
+    def reset(self) -> None:
+        """Drop every running and waiting request without results (after a step that raised:
+        the caches may hold half of it)."""
+        self.running, self.waiting = [], deque()
+        self.target.reset()
+        if self.proposer is not None:
+            self.proposer.select([])
+
     def step(self) -> list[StepOutput]:
         """One target call for every running row (after admitting waiting requests)."""
         self._admit()
@@ -205,7 +217,11 @@ class Engine:
                 if row.out.finish_reason is not None:
                     break
             # 6 record
+            output = outputs[row.request_id]
+            drafted, kept = row.stats.num_drafted, row.stats.num_accepted
             self._record(row, draft, ks[b], n, len(events), t1 - t0, t2 - t1)
+            output.num_drafted, output.num_accepted = row.stats.num_drafted - drafted, row.stats.num_accepted - kept
+            output.stats = row.stats
             row.tokens += new
             row.pending = [token]
             accepted.append(n)

@@ -24,7 +24,8 @@ import torch
 from specdecode.analysis import acceptance_rate, expected_tokens
 from specdecode.engine.driver import run
 from specdecode.engine.request import DecodeConfig
-from specdecode.proposers import DraftModelProposer, NGramModel, PromptLookupProposer
+from specdecode.proposers import DraftModelProposer, NGramModel
+from specdecode.proposers.prompt_lookup import lookup
 from specdecode.sampling import SamplingParams, adjust
 from specdecode.verify import match_vocab
 
@@ -79,11 +80,9 @@ def lookup_q(sequence: list[int], start: int, vocab_size: int, max_ngram: int = 
              ) -> torch.Tensor:
     """Prompt lookup's q at positions start..len-1: [n, V] one-hot of the copied token, zero rows
     where no earlier n-gram matches (no proposal)."""
-    finder = PromptLookupProposer(vocab_size, max_ngram, min_ngram)
     q = torch.zeros(len(sequence) - start, vocab_size)
     for row, i in enumerate(range(start, len(sequence))):
-        finder.tokens = sequence[:i]
-        found = finder.lookup(1)
+        found = lookup(sequence[:i], 1, max_ngram, min_ngram)
         if found:
             q[row, found[0]] = 1.0
     return q

@@ -1,0 +1,239 @@
+"""The FastAPI app: OpenAI-style endpoints, metrics, health and the live page, over one
+EngineWorker. Handlers validate, build an engine Request, submit it and relay its step outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import time
+from contextlib import asynccontextmanager
+from importlib import resources
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+
+from specdecode.engine.request import Request
+from specdecode.sampling import SamplingParams
+from specdecode.serve import protocol
+from specdecode.serve.metrics import Metrics
+from specdecode.serve.protocol import ApiError, ChatRequest, CompletionRequest
+from specdecode.serve.worker import EngineWorker, Handle, QueueFull
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 1024         # chat has no OpenAI default: the room left, at most this
+DISCONNECT_POLL_S = 0.5
+
+
+def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | None = None) -> FastAPI:
+    """The server for a loaded SpeculativeDecoder; its engine is owned by the app's worker from now on.
+
+    Args:
+        decoder: a SpeculativeDecoder (models loaded).  model_name: the id clients send as `model`.
+        max_queue: requests that may wait for a free row before 429.  api_key: if set, /v1/*
+            needs `Authorization: Bearer <api_key>`.
+    """
+    metrics_box: list[Metrics] = []
+    worker = EngineWorker(decoder.engine, max_queue,
+                          on_step=lambda outputs, seconds: metrics_box[0].observe_step(outputs, seconds))
+    metrics = Metrics((lambda: worker.num_waiting, lambda: worker.num_running))
+    metrics_box.append(metrics)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        yield
+        worker.stop()  # in-flight requests end (their streams close), then the thread exits
+
+    app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker, app.state.metrics, app.state.decoder = worker, metrics, decoder
+
+    @app.exception_handler(ApiError)
+    async def api_error(_, err: ApiError):
+        metrics.requests.labels(status=str(err.status)).inc()
+        headers = {"Retry-After": "1"} if err.status == 429 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(_, err: Exception):
+        metrics.requests.labels(status="500").inc()
+        return JSONResponse(ApiError(500, f"internal error: {type(err).__name__}: {err}").body(), status_code=500)
+
+    def check_key(http: HttpRequest) -> None:
+        if api_key is None:
+            return
+        given = http.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        return resources.files("specdecode.serve").joinpath("static/index.html").read_text("utf-8")
+
+    @app.get("/v1/models")
+    async def models(http: HttpRequest):
+        check_key(http)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "specdecode"}]}
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        return await generate(http, CompletionRequest, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        return await generate(http, ChatRequest, chat=True)
+
+    async def generate(http: HttpRequest, kind, chat: bool):
+        check_key(http)
+        try:
+            body = json.loads(await http.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON") from None
+        req = protocol.parse(kind, body)
+        if req.model != model_name:
+            raise ApiError(404, f"model {req.model!r} does not exist; this server has {model_name!r}", "model",
+                           "model_not_found")
+        request, prompt_tokens = build_request(decoder, req, chat)
+        handle = Handle(request, asyncio.get_running_loop())
+        try:
+            worker.submit(handle)
+        except QueueFull as err:
+            raise ApiError(429, f"server busy: {err}; retry later") from None
+        ids = protocol.ResponseIds(chat, model_name)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(stream(handle, ids, prompt_tokens, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        result = await wait(http, handle)
+        metrics.requests.labels(status="200").inc()
+        return protocol.full_response(ids, result, prompt_tokens)
+
+    def observe(handle: Handle, state: dict, output) -> None:
+        now = time.perf_counter()
+        tokens = len(output.events)
+        if not tokens:
+            return
+        if state.get("last") is None:
+            metrics.ttft.observe(now - handle.submitted)
+        else:
+            for _ in range(tokens):
+                metrics.itl.observe((now - state["last"]) / tokens)
+        state["last"] = now
+
+    async def wait(http: HttpRequest, handle: Handle):
+        """The finished result; aborts the row if the client goes away first."""
+        state, result = {}, None
+        while True:
+            try:
+                item = await asyncio.wait_for(handle.queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    worker.abort(handle)
+                    metrics.requests.labels(status="aborted").inc()
+                    raise ApiError(499, "client disconnected") from None
+                continue
+            if item is None:
+                count_tokens(result)
+                return result
+            if isinstance(item, Exception):
+                raise ApiError(500, f"generation failed: {type(item).__name__}: {item}")
+            observe(handle, state, item)
+            result = item.result or result
+
+    def count_tokens(result) -> None:
+        metrics.generation_tokens.inc(len(result.token_ids) - int(result.finish_reason == "eos"))
+
+    async def stream(handle: Handle, ids, prompt_tokens: int, include_usage: bool):
+        finished, state = False, {}
+        try:
+            if ids.chat:
+                yield sse(protocol.chunk(ids, "", [], role=True))
+            while True:
+                item = await handle.queue.get()
+                if item is None:
+                    break
+                if isinstance(item, Exception):
+                    yield sse(ApiError(500, f"generation failed: {type(item).__name__}: {item}").body())
+                    break
+                observe(handle, state, item)
+                tokens = [{"id": e.token_id, "text": e.text, "origin": e.origin} for e in item.events]
+                if item.result is None:
+                    if tokens:
+                        yield sse(protocol.chunk(ids, "".join(e.text for e in item.events), tokens, stats=item.stats))
+                    continue
+                result = item.result
+                finished = True
+                count_tokens(result)
+                yield sse(protocol.chunk(ids, "".join(e.text for e in item.events), tokens,
+                                         protocol.finish_reason(result.finish_reason), stats=result.stats))
+                if include_usage:
+                    completion = len(result.token_ids) - int(result.finish_reason == "eos")
+                    yield sse({**ids.base(chunk=True), "choices": [],
+                               "usage": protocol.usage(prompt_tokens, completion)})
+            yield "data: [DONE]\n\n"
+            metrics.requests.labels(status="200" if finished else "500").inc()
+        finally:
+            if not finished:  # the client went away (or the server stops): free the row
+                worker.abort(handle)
+                metrics.requests.labels(status="aborted").inc()
+
+    return app
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def build_request(decoder, req, chat: bool) -> tuple[Request, int]:
+    """An engine Request from a validated body, and the prompt's token count.
+
+    Raises:
+        ApiError: 400 for a prompt the model cannot take (empty, ids outside the vocabulary, too
+            long with max_tokens, no chat template) or sampling values out of range.
+    """
+    tokenizer = decoder.tokenizer
+    param = "messages" if chat else "prompt"
+    try:
+        if chat:
+            if not getattr(tokenizer, "chat_template", None):
+                raise ValueError("this model has no chat template; use /v1/completions")
+            ids = tokenizer.apply_chat_template([m.model_dump() for m in req.messages], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        elif isinstance(req.prompt, str):
+            ids = tokenizer.encode(req.prompt, add_special_tokens=False) if req.prompt else []
+        else:
+            ids = list(req.prompt)
+        ids = decoder.encode(ids)
+    except ValueError as err:
+        raise ApiError(400, str(err), param) from None
+    limit = decoder.target.backend.max_length
+    room = limit - len(ids) if limit is not None else None
+    default = COMPLETION_DEFAULT_MAX_TOKENS if not chat else min(CHAT_DEFAULT_MAX_TOKENS, room or CHAT_DEFAULT_MAX_TOKENS)
+    max_new = protocol.max_tokens(req, default)
+    if room is not None and max_new > room:
+        field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        raise ApiError(400, f"the prompt has {len(ids)} tokens and {field} is {max_new}: more than the model's "
+                            f"context of {limit} tokens", field)
+    try:
+        sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                                  top_p=1.0 if req.top_p is None else req.top_p,
+                                  top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, seed=req.seed)
+        config = decoder.config(max_new, sampling, protocol.stops(req))
+    except (ValueError, TypeError) as err:
+        raise ApiError(400, str(err)) from None
+    if req.num_speculative_tokens is not None:
+        config = dataclasses.replace(config, num_speculative_tokens=req.num_speculative_tokens)
+    if decoder.is_encoder_decoder:
+        return Request([decoder.target.backend.decoder_start_token_id], config, encoder_input_ids=ids), len(ids)
+    return Request(ids, config), len(ids)

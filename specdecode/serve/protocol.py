@@ -1,0 +1,183 @@
+"""The OpenAI wire format: request bodies validated into engine requests, results and step
+outputs turned into response bodies and stream chunks. Pure functions and dataclasses (no I/O).
+
+Errors are `ApiError(status, message, param)`, sent as {"error": {"message", "type", "param",
+"code"}}. Fields the engine cannot honour exactly yet (logprobs, penalties, n > 1) are refused
+with a 400 naming the field rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+
+MAX_GAMMA = 64
+
+
+class ApiError(Exception):
+    """An error answered to the client: HTTP status, one-line message, the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                429: "rate_limit_error"}.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI's servers do."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: StrictInt | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, lt=1)
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    num_speculative_tokens: StrictInt | None = Field(default=None, ge=0, le=MAX_GAMMA)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[StrictInt]
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+
+
+def parse(kind: type[BaseModel], body) -> BaseModel:
+    """Validate a JSON body (already decoded).
+
+    Raises:
+        ApiError: 400 naming the first bad field.
+    """
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        request = kind.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
+    refuse_unsupported(request)
+    return request
+
+
+def refuse_unsupported(request) -> None:
+    """What the engine does not do exactly yet gets a clear 400, never a silent change of output."""
+    if request.n != 1:
+        raise ApiError(400, "n must be 1: one completion per request", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(request, name):
+            raise ApiError(400, f"{name} is not supported yet (only 0)", name)
+    if getattr(request, "logprobs", None) or getattr(request, "top_logprobs", None):
+        raise ApiError(400, "logprobs are not supported yet", "logprobs")
+    if getattr(request, "echo", False):
+        raise ApiError(400, "echo is not supported", "echo")
+    if isinstance(request.stop, list) and (len(request.stop) > 16 or not all(request.stop)):
+        raise ApiError(400, "stop must be at most 16 non-empty strings", "stop")
+    if request.stop == "":
+        raise ApiError(400, "stop must be a non-empty string", "stop")
+
+
+def stops(request) -> list[str]:
+    return [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+
+
+def max_tokens(request, default: int) -> int:
+    value = getattr(request, "max_completion_tokens", None) or request.max_tokens
+    return value if value is not None else default
+
+
+def finish_reason(reason: str) -> str:
+    """The engine's eos | stop | length → OpenAI's stop | length."""
+    return "length" if reason == "length" else "stop"
+
+
+def speculation(stats) -> dict:
+    """The per-response `speculation` object (DESIGN.md §6 names)."""
+    return {"num_drafted": stats.num_drafted, "num_accepted": stats.num_accepted,
+            "acceptance_rate": stats.num_accepted / stats.num_drafted if stats.num_drafted else None,
+            "alpha_estimate": stats.alpha_estimate if stats.num_accepted + stats.num_rejected else None,
+            "mean_tokens_per_call": stats.mean_tokens_per_call, "num_target_calls": stats.num_target_calls,
+            "accepted_per_position": list(stats.accepted_per_position)}
+
+
+def usage(prompt_tokens: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+class ResponseIds:
+    """The id, creation time and model name shared by a response's chunks."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def base(self, chunk: bool) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def full_response(ids: ResponseIds, result, prompt_tokens: int) -> dict:
+    """The non-streamed body for a finished GenerationResult."""
+    finished_by_eos = result.finish_reason == "eos"
+    choice = {"index": 0, "finish_reason": finish_reason(result.finish_reason), "logprobs": None}
+    if ids.chat:
+        choice["message"] = {"role": "assistant", "content": result.text}
+    else:
+        choice["text"] = result.text
+    return {**ids.base(chunk=False), "choices": [choice],
+            "usage": usage(prompt_tokens, len(result.token_ids) - int(finished_by_eos)),
+            "speculation": speculation(result.stats)}
+
+
+def chunk(ids: ResponseIds, text: str | None, tokens: list[dict], finish: str | None = None,
+          role: bool = False, stats=None) -> dict:
+    """One SSE chunk: a delta of text (chat: role first), the tokens it holds with their origin
+    (an extension, for the live page), the finish reason on the last, running speculation stats."""
+    choice: dict = {"index": 0, "finish_reason": finish, "logprobs": None}
+    if ids.chat:
+        delta: dict = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    body = {**ids.base(chunk=True), "choices": [choice]}
+    if tokens:
+        body["tokens"] = tokens
+    if stats is not None:
+        body["speculation"] = speculation(stats)
+    return body

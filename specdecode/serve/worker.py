@@ -1,0 +1,161 @@
+"""The engine's one owner: a thread that adds, steps and aborts, while HTTP handlers (on the event
+loop) submit requests and read their events (continuous batching across clients).
+
+Handlers never touch the engine. They put commands in the worker's inbox; the worker applies
+them between steps, so a request joins the running batch at the next step and an abort frees its
+row before the next one. Each step's outputs go back to each handler's asyncio queue with
+`call_soon_threadsafe`. An exception raised by a step fails the requests running in it (each gets
+the error), empties the caches, and the worker goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from specdecode.engine.engine import Engine, StepOutput
+from specdecode.engine.request import Request
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the server takes (HTTP 429)."""
+
+
+@dataclass
+class Handle:
+    """A submitted request, as its handler sees it: `queue` yields StepOutputs, then an Exception
+    or None (finished)."""
+
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    request_id: int | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class EngineWorker:
+    """Runs `engine` in a thread.
+
+    Args:
+        engine: the engine it owns from now on.
+        max_queue: requests that may wait for a free row; one more is refused (QueueFull).
+        on_step: called in the worker thread with each step's outputs and wall seconds (metrics).
+    """
+
+    def __init__(self, engine: Engine, max_queue: int, on_step=None):
+        self.engine, self.max_queue, self.on_step = engine, max_queue, on_step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._handles: dict[int, Handle] = {}
+        self._pending = 0            # submitted, not yet added (read by handlers for 429)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def num_waiting(self) -> int:
+        return self._pending + len(self.engine.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.running)
+
+    def submit(self, handle: Handle) -> None:
+        """Queue a request (from the event loop).
+
+        Raises:
+            QueueFull: max_queue requests are already waiting for a row.
+        """
+        with self._lock:
+            if self._stop:
+                raise QueueFull("the server is shutting down")
+            capacity = self.engine.capacity
+            free = max(0, capacity - self.num_running) if capacity is not None else 1 << 30
+            if self.num_waiting >= self.max_queue + free:
+                raise QueueFull(f"{self.num_waiting} requests are waiting (--max-queue {self.max_queue})")
+            self._pending += 1
+        self._inbox.put(("add", handle))
+        self._wake.set()
+
+    def abort(self, handle: Handle) -> None:
+        """Abort a request (client gone); a no-op once it finished."""
+        self._inbox.put(("abort", handle))
+        self._wake.set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight and end the thread."""
+        with self._lock:
+            self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            self._apply_inbox()
+            if self._stop:
+                self._abort_all(None)
+                return
+            if not self.engine.has_work:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            start = time.perf_counter()
+            try:
+                outputs = self.engine.step()
+            except Exception as err:  # one bad step must not stop the server
+                self._abort_all(err)
+                continue
+            self._deliver(outputs)
+            if self.on_step is not None:
+                self.on_step(outputs, time.perf_counter() - start)
+
+    def _apply_inbox(self) -> None:
+        while True:
+            try:
+                command, handle = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command == "add":
+                with self._lock:
+                    self._pending -= 1
+                try:
+                    handle.request_id = self.engine.add(handle.request)
+                except Exception as err:
+                    self._send(handle, err)
+                    continue
+                self._handles[handle.request_id] = handle
+            elif handle.request_id in self._handles:
+                del self._handles[handle.request_id]
+                self.engine.abort(handle.request_id)
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        for output in outputs:
+            handle = self._handles.get(output.request_id)
+            if handle is None:
+                continue
+            self._send(handle, output)
+            if output.result is not None:
+                del self._handles[output.request_id]
+                self._send(handle, None)
+
+    def _abort_all(self, error: Exception | None) -> None:
+        if error is not None:  # the caches may hold a half-done step: start clean
+            self.engine.reset()
+        for request_id, handle in list(self._handles.items()):
+            if error is None:
+                self.engine.abort(request_id)
+            self._send(handle, error or RuntimeError("the server is shutting down"))
+        self._handles.clear()
+
+    @staticmethod
+    def _send(handle: Handle, item) -> None:
+        try:
+            handle.loop.call_soon_threadsafe(handle.queue.put_nowait, item)
+        except RuntimeError:  # the handler's loop is closed: nobody is listening
+            pass

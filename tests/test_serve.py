@@ -1,0 +1,340 @@
+"""`specdecode serve`, started the way users start it (a subprocess on 127.0.0.1), driven with the
+official `openai` client and raw HTTP: OpenAI wire format, continuous batching, streaming, errors,
+metrics, shutdown. Tiny float32 models, so speculative greedy equals plain greedy token for token."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from helpers import tiny_llama
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}.{% endfor %}"
+                 "{% if add_generation_prompt %} {% endif %}")
+PROMPTS = ["abc", "hhh a", "the cafe", "bad bed", "ace", "dead beef", "gag", "fade"]
+STARTUP_S = 120
+
+
+@pytest.fixture(scope="module")
+def chat_model_dirs(tmp_path_factory, char_tokenizer):
+    """A tiny target and a draft close to it (the target plus noise), with a chat template."""
+    root = tmp_path_factory.mktemp("serve_models")
+    tokenizer = char_tokenizer.__class__(tokenizer_object=char_tokenizer.backend_tokenizer, eos_token="<eos>",
+                                         pad_token="<pad>", unk_token="<unk>", bos_token="<bos>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    target = tiny_llama(0, layers=2, vocab=len(tokenizer))
+    draft = tiny_llama(0, layers=2, vocab=len(tokenizer))
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+        for model in (target, draft):  # EOS scores 0, below the top of 13 random logits: long greedy outputs
+            model.lm_head.weight[tokenizer.eos_token_id] = 0
+    dirs = {}
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+    return dirs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`specdecode serve ...` in a subprocess; stop() sends SIGTERM and returns the exit status."""
+
+    def __init__(self, dirs, *extra):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        draft = [] if "--draft" in extra else ["--draft", dirs["draft"]]
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "specdecode.cli", "serve", "--target", dirs["target"], *draft, "--dtype", "float32",
+             "--port", str(self.port), "--served-model-name", "tiny", "--quiet", "--no-guard", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited {self.process.returncode}: {self.process.stderr.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        self.process.kill()
+        raise RuntimeError("server did not start")
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0,
+                             timeout=kw.pop("timeout", 120), **kw)
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return -9
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dirs):
+    s = Server(chat_model_dirs, "--max-batch-size", "4", "--max-queue", "16", "-k", "4")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def plain_server(chat_model_dirs):
+    s = Server(chat_model_dirs, "--draft", "none")
+    yield s
+    assert s.stop() == 0
+
+
+def complete(server, prompt, **kw):
+    args = dict(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    args.update(kw)
+    return server.client().completions.create(**args)
+
+
+def chat(server, content, **kw):
+    args = dict(model="tiny", messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": content}],
+                max_tokens=24, temperature=0)
+    args.update(kw)
+    return server.client().chat.completions.create(**args)
+
+
+def metric(server, name: str) -> float:
+    """Sum of a metric's samples (all labels) in /metrics."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#") and line[len(name)] in " {")
+
+
+def test_models_lists_the_served_model(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_speculative_greedy_equals_plain_greedy_for_completions_and_chat(server, plain_server):
+    for prompt in PROMPTS[:3]:
+        spec, plain = complete(server, prompt), complete(plain_server, prompt)
+        assert spec.choices[0].text == plain.choices[0].text
+        assert spec.usage.completion_tokens == plain.usage.completion_tokens > 0
+        assert spec.choices[0].finish_reason in ("stop", "length")
+        spec_extra, plain_extra = spec.model_extra["speculation"], plain.model_extra["speculation"]
+        assert spec_extra["num_drafted"] > 0 and plain_extra["num_drafted"] == 0
+        assert spec_extra["num_target_calls"] < plain_extra["num_target_calls"]
+    spec_chat = chat(server, "abc", max_completion_tokens=20)
+    plain_chat = chat(plain_server, "abc", max_completion_tokens=20)
+    assert spec_chat.choices[0].message.content == plain_chat.choices[0].message.content
+    assert spec_chat.choices[0].message.role == "assistant"
+    assert spec_chat.usage.prompt_tokens == plain_chat.usage.prompt_tokens > 3  # system + user through the template
+
+
+def test_token_id_prompts_and_stop_strings(server):
+    ids = complete(server, [5, 6, 7], max_tokens=12)
+    assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens == 12
+    full = complete(server, "abc", max_tokens=24).choices[0].text
+    stop = next(c for c in full[1:] if c != " ")
+    cut = complete(server, "abc", max_tokens=24, stop=[stop, "zz"])
+    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_streamed_text_equals_the_non_streamed_text(server):
+    whole = complete(server, "the cafe", max_tokens=20)
+    chunks = list(complete(server, "the cafe", max_tokens=20, stream=True,
+                           stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
+    last = [c for c in chunks if c.choices][-1]
+    assert last.choices[0].finish_reason == whole.choices[0].finish_reason
+    assert last.model_extra["speculation"]["num_target_calls"] == whole.model_extra["speculation"]["num_target_calls"]
+    origins = {t["origin"] for c in chunks for t in (c.model_extra or {}).get("tokens", [])}
+    assert origins and origins <= {"accepted", "corrected", "bonus", "target"}
+
+    whole_chat = chat(server, "fade")
+    deltas = list(chat(server, "fade", stream=True))
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(d.choices[0].delta.content or "" for d in deltas) == whole_chat.choices[0].message.content
+
+
+def test_raw_stream_is_server_sent_events_ending_with_done(server):
+    body = {"model": "tiny", "prompt": "ace", "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        frames = [line for line in response.iter_lines() if line]
+    assert all(f.startswith("data: ") for f in frames) and frames[-1] == "data: [DONE]"
+    assert json.loads(frames[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_sixteen_concurrent_requests_each_equal_their_solo_result(server):
+    prompts = (PROMPTS * 2)[:16]
+    kwargs = [dict(max_tokens=16 + i % 5) for i in range(16)]
+    kwargs[3] = dict(max_tokens=16, temperature=0.9, seed=7)  # seeded sampling: same alone and in a batch
+    solo = [complete(server, p, **kw).choices[0].text for p, kw in zip(prompts, kwargs)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda a: complete(server, a[0], **a[1]).choices[0].text, zip(prompts, kwargs)))
+    assert together == solo
+    assert metric(server, "specdecode:spec_decode_num_accepted_tokens_total") > 0
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "abc", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "abc", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "abc", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "abc", "max_tokens": 254}, 400, "max_tokens"),     # 3 + 254 > the 256-token context
+    ({"prompt": "abc", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "abc", "n": 2}, 400, "n"),
+    ({"prompt": "abc", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "abc", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "abc", "stop": ["", "x"]}, 400, "stop"),
+    ({"prompt": "abc", "num_speculative_tokens": -1}, 400, "num_speculative_tokens"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": [5, 999999]}, 400, "prompt"),
+    ({}, 400, "prompt"),
+    ({"prompt": "abc", "model": "gpt-4"}, 404, "model"),
+])
+def test_bad_requests_get_one_clear_error_naming_the_field(server, body, status, param):
+    response = httpx.post(server.url + "/v1/completions", json={"model": "tiny", **body}, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+def test_malformed_bodies_get_400_and_the_server_still_serves(server):
+    for content in (b"{not json", b"[1, 2]", "\xff".encode("latin-1")):
+        response = httpx.post(server.url + "/v1/chat/completions", content=content, timeout=30,
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 400 and response.json()["error"]["message"]
+    response = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        complete(server, "abc", temperature=5)
+    assert complete(server, "abc", max_tokens=4).usage.completion_tokens == 4
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_only_its_row(server):
+    other_expected = complete(server, "dead beef", max_tokens=40).choices[0].text
+    aborted_before = metric(server, "specdecode:requests_total")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        other = pool.submit(lambda: complete(server, "dead beef", max_tokens=40).choices[0].text)
+        body = {"model": "tiny", "prompt": "gag", "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")  # it is generating; now hang up
+        assert other.result(timeout=120) == other_expected
+    deadline = time.monotonic() + 30
+    while metric(server, "specdecode:num_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(server, "specdecode:num_requests_running") == 0
+    assert metric(server, "specdecode:requests_total") > aborted_before
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_recovers(chat_model_dirs):
+    server = Server(chat_model_dirs, "--max-batch-size", "1", "--max-queue", "1")
+    try:
+        body = {"model": "tiny", "prompt": "abc", "max_tokens": 200, "temperature": 0}
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            responses = list(pool.map(lambda _: httpx.post(server.url + "/v1/completions", json=body, timeout=120),
+                                      range(6)))
+        codes = sorted(r.status_code for r in responses)
+        assert codes.count(200) >= 2 and 429 in codes and set(codes) <= {200, 429}
+        busy = next(r for r in responses if r.status_code == 429)
+        assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "rate_limit_error"
+        assert complete(server, "abc", max_tokens=3).usage.completion_tokens == 3
+    finally:
+        assert server.stop() == 0
+
+
+def test_api_key_is_required_when_set(chat_model_dirs):
+    server = Server(chat_model_dirs, "--api-key", "s3cret", "--draft", "none")
+    try:
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            server.client(api_key="wrong").models.list()
+        assert [m.id for m in server.client(api_key="s3cret").models.list().data] == ["tiny"]
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    finally:
+        assert server.stop() == 0
+
+
+def test_sigterm_during_a_stream_ends_it_and_exits_zero(chat_model_dirs):
+    server = Server(chat_model_dirs)
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 240, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        server.process.send_signal(signal.SIGTERM)
+        rest = list(lines)  # the stream ends (aborted or finished); it does not hang
+    assert server.stop() == 0
+    assert len(rest) < 240
+
+
+def test_metrics_expose_speculation_counters_and_latency_histograms(server):
+    complete(server, "bad bed", max_tokens=12)
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    for name in ("specdecode:spec_decode_num_drafts_total", "specdecode:spec_decode_num_draft_tokens_total",
+                 "specdecode:spec_decode_num_accepted_tokens_total",
+                 'specdecode:spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
+                 "specdecode:generation_tokens_total", "specdecode:num_requests_waiting",
+                 "specdecode:num_requests_running", "specdecode:time_to_first_token_seconds_count",
+                 "specdecode:inter_token_latency_seconds_count", 'specdecode:requests_total{status="200"}'):
+        assert name in text, name
+    assert metric(server, "specdecode:spec_decode_num_draft_tokens_total") >= \
+        metric(server, "specdecode:spec_decode_num_accepted_tokens_total") > 0
+    assert metric(server, "specdecode:time_to_first_token_seconds_count") > 0
+
+
+def test_the_live_page_colours_streamed_tokens_by_origin_in_headless_chromium(server):
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    binary = next((p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser") if os.path.exists(p)), None)
+    driver_path = next((p for p in ("/usr/bin/chromedriver",) if os.path.exists(p)), None)
+    if binary is None or driver_path is None:
+        pytest.skip("Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    from selenium.webdriver.chrome.service import Service
+
+    browser = webdriver.Chrome(service=Service(driver_path), options=options)
+    try:
+        browser.get(server.url + "/")
+        prompt = browser.find_element(By.ID, "prompt")
+        prompt.clear()
+        prompt.send_keys("abc")
+        browser.find_element(By.ID, "max_tokens").clear()
+        browser.find_element(By.ID, "max_tokens").send_keys("30")
+        browser.find_element(By.ID, "generate").click()
+        WebDriverWait(browser, 90).until(lambda b: b.find_element(By.ID, "generate").is_enabled()
+                                         and b.find_elements(By.CSS_SELECTOR, "#output span"))
+        spans = browser.find_elements(By.CSS_SELECTOR, "#output span")
+        classes = {s.get_attribute("class") for s in spans}
+        assert len(spans) == 30 and classes <= {"accepted", "corrected", "bonus", "target"}
+        assert "accepted" in classes
+        expected = chat(server, "abc", max_tokens=30, messages=[{"role": "user", "content": "abc"}])
+        assert "".join(s.get_attribute("textContent") for s in spans) == expected.choices[0].message.content
+        stats = browser.find_element(By.ID, "stats").text
+        assert "acceptance rate" in stats and "–" not in browser.find_element(By.ID, "per_call").text
+        assert browser.find_element(By.ID, "error").text == ""
+        browser.save_screenshot(os.environ.get("SPECDECODE_PAGE_SCREENSHOT", "/tmp/specdecode_page.png"))
+    finally:
+        browser.quit()
