@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 
 DEQUANTIZE_ABOVE_ROWS = 16  # rows (tokens) per call above which a float GEMM beats the int kernels
+# What torch's CPU kernels take (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu); float64 fails
+# inside them at the first draft step, so prepare_draft checks first.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class _QuantizedLinear(torch.nn.Module):
@@ -184,11 +187,29 @@ def quantize(model: torch.nn.Module, bits: int = 8) -> torch.nn.Module:
     return model
 
 
+def check_quantizable(model: torch.nn.Module) -> None:
+    """Raises ValueError, naming the dtype, if a linear layer's weights are of a dtype the
+    integer kernels cannot take (anything but KERNEL_DTYPES, e.g. float64)."""
+    dtypes = {m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    bad = sorted(str(dtype) for dtype in dtypes if dtype not in KERNEL_DTYPES)
+    if bad:
+        raise ValueError(
+            f"cannot quantize a draft whose linear layers are {', '.join(bad)}: the int8/int4 kernels take "
+            "float32, bfloat16 or float16. Convert the draft first (e.g. draft.to(torch.bfloat16)) or pass "
+            "quantize_draft='none'")
+
+
 def prepare_draft(model: torch.nn.Module, bits: int) -> torch.nn.Module:
     """Make a draft model the library owns cheaper to run, in place: `quantize(model, bits)`,
     and eager attention instead of SDPA, whose CPU kernel is slow for the one query row of a
     draft step (zoo draft, 2 cores: 40 → 30 ms a step at a 1000-token context, equal at 300).
-    Returns the model."""
+    Returns the model.
+
+    Raises:
+        ValueError: weights of a dtype the kernels cannot take (check_quantizable), before any
+            layer is replaced.
+    """
+    check_quantizable(model)
     quantize(model, bits)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation("eager")
