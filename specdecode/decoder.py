@@ -17,7 +17,7 @@ from specdecode.batch import decode_batch
 from specdecode.decoding import DecodeConfig, GenerationResult, TokenEvent, decode
 from specdecode.models import HFBatchedCausalLM, HFCausalLM, Seq2SeqLM
 from specdecode.models.hf_batch import supports_batching
-from specdecode.models.quant import prepare_draft
+from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 from specdecode.measure.timing import measure_costs
@@ -305,7 +305,7 @@ class SpeculativeDecoder:
                 raise ValueError("quantize_draft supports decoder-only drafts only")
             bits = None
         if bits:
-            prepare_draft(model, bits)
+            prepare_draft_cached(model, bits, None if given else spec, progress)
         return _Loaded(self._backend(model, vocab_limit), tok, name)
 
     @staticmethod
