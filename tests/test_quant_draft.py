@@ -85,7 +85,7 @@ def test_a_cached_quantized_draft_gives_exactly_the_logits_of_a_fresh_one(tiny_z
     assert cached.config._attn_implementation == "eager"
 
 
-def test_the_cache_key_follows_source_weights_dtype_kind_group_size_and_code(tiny_zoo, monkeypatch):
+def test_the_cache_key_follows_source_weights_dtype_kind_group_size_code_and_kernel(tiny_zoo, monkeypatch):
     model = tiny_llama(dtype=torch.bfloat16)
     base = quant_cache.cache_path(model, "tiny", 4)
     assert base.parent == zoo.weights_cache("tiny", torch.bfloat16).parent  # beside the float weights
@@ -94,6 +94,7 @@ def test_the_cache_key_follows_source_weights_dtype_kind_group_size_and_code(tin
     for owner, name, value in [(quant, "DEFAULT_GROUP_SIZE", 64),
                                (quant_cache, "FORMAT_VERSION", quant_cache.FORMAT_VERSION + 1),
                                (quant_cache, "_code_version", lambda: "edited quant.py"),
+                               (quant, "kernel_layout", lambda: "torch 9.0, AVX2"),  # another int4 packing
                                (zoo, "ZOO", {"tiny": dataclasses.replace(zoo.ZOO["tiny"], sha256="cd" * 32)})]:
         with monkeypatch.context() as patch:
             patch.setattr(owner, name, value)
@@ -102,7 +103,7 @@ def test_the_cache_key_follows_source_weights_dtype_kind_group_size_and_code(tin
     float_weights.mkdir(parents=True)
     (float_weights / "model.safetensors").write_bytes(b"rebuilt")  # the float weights were cached again
     keys.add(quant_cache.cache_path(model, "tiny", 4))
-    assert len(keys) == 8
+    assert len(keys) == 9
 
 
 def test_an_unreadable_or_mismatched_cache_file_is_replaced_by_a_fresh_quantization(tiny_zoo):

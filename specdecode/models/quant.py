@@ -126,22 +126,25 @@ class Int4Linear(_QuantizedLinear):
 
     @classmethod
     def from_buffers(cls, nibbles: torch.Tensor, scale_zero: torch.Tensor, bias: torch.Tensor | None,
-                     group_size: int) -> Int4Linear:
-        """The layer from its stored tensors (`state()`), without quantizing anything; repacks the
-        codes for this CPU's kernel (the packed layout depends on the vector width, so it is
-        never stored)."""
+                     group_size: int, packed: torch.Tensor | None = None) -> Int4Linear:
+        """The layer from its stored tensors (`state()`), without quantizing anything. `packed`
+        is the kernel's copy, valid only under the same kernel_layout(); None repacks the codes."""
         layer = cls.__new__(cls)
         torch.nn.Module.__init__(layer)
         layer.group_size = group_size
         layer.register_buffer("nibbles", nibbles)
         layer.register_buffer("scale_zero", scale_zero)
-        layer.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(layer.codes().to(torch.int32), 1))
+        if packed is None:
+            packed = torch._convert_weight_to_int4pack_for_cpu(layer.codes().to(torch.int32), 1)
+        layer.register_buffer("packed", packed)
         layer.bias = bias
         return layer
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The tensors that define the layer, in plain row order (from_buffers takes them back)."""
-        return {"nibbles": self.nibbles, "scale_zero": self.scale_zero} | ({} if self.bias is None else {"bias": self.bias})
+        """The tensors of the layer (from_buffers takes them back); "packed" is valid only under
+        the same kernel_layout()."""
+        return {"nibbles": self.nibbles, "scale_zero": self.scale_zero, "packed": self.packed} | (
+            {} if self.bias is None else {"bias": self.bias})
 
     @classmethod
     def supports(cls, weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> bool:
@@ -173,6 +176,13 @@ class Int4Linear(_QuantizedLinear):
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size,
                                                  self.scale_zero.to(flat.dtype))
+
+
+def kernel_layout() -> str:
+    """What Int4Linear's packed copy depends on: the int4 kernel picks its layout by the CPU's
+    vector width (AVX-512, AVX2 or neither; ATEN_CPU_CAPABILITY can change it), and a torch
+    release may change it too."""
+    return f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 class _Rows(torch.nn.Module):
@@ -216,7 +226,8 @@ def quantize(model: torch.nn.Module, bits: int = 8) -> torch.nn.Module:
 def quantized_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every quantized layer's tensors, named "<layer path>.<tensor>" (e.g.
     "model.layers.0.mlp.up_proj.nibbles"): what `prepare_draft(model, bits, state)` needs to
-    rebuild the layers of another copy of the same float model without quantizing it."""
+    rebuild the layers of another copy of the same float model without quantizing it, under the
+    same kernel_layout()."""
     return {f"{name}.{key}": tensor for name, layer in model.named_modules()
             if isinstance(layer, QUANTIZED_LINEAR) for key, tensor in layer.state().items()}
 
@@ -227,7 +238,8 @@ def _layer_from_state(linear: torch.nn.Linear, name: str, state: dict[str, torch
     dtype = linear.weight.dtype
     if f"{name}.nibbles" in state:
         kind, expected = Int4Linear, {"nibbles": ((out, inp // 2), torch.uint8),
-                                      "scale_zero": ((inp // group_size, out, 2), dtype)}
+                                      "scale_zero": ((inp // group_size, out, 2), dtype),
+                                      "packed": ((out, inp // 2), torch.uint8)}
     else:
         kind, expected = Int8Linear, {"weight_int8": ((out, inp), torch.int8), "scale": ((out,), torch.float32)}
     if linear.bias is not None:
@@ -239,14 +251,14 @@ def _layer_from_state(linear: torch.nn.Linear, name: str, state: dict[str, torch
     bias = tensors.pop("bias", None)
     bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
     if kind is Int4Linear:
-        return Int4Linear.from_buffers(tensors["nibbles"], tensors["scale_zero"], bias, group_size)
+        return Int4Linear.from_buffers(tensors["nibbles"], tensors["scale_zero"], bias, group_size, tensors["packed"])
     return Int8Linear.from_buffers(tensors["weight_int8"], tensors["scale"], bias)
 
 
 def load_quantized(model: torch.nn.Module, state: dict[str, torch.Tensor],
                    group_size: int = DEFAULT_GROUP_SIZE) -> torch.nn.Module:
     """Replace every nn.Linear of `model`, in place, by the quantized layer stored for it in
-    `state` (quantized_state of the same float model). Every layer is built and checked before
+    `state` (quantized_state of the same float model, under the same kernel_layout()). Every layer is built and checked before
     any is replaced, so on an error the model is unchanged. Returns the model.
 
     Raises:

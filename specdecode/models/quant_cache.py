@@ -68,13 +68,15 @@ def cache_path(model: torch.nn.Module, zoo_name: str, bits: int) -> Path:
     """The cache file of a zoo draft quantized to `bits`: beside zoo.weights_cache, named
     "<zoo name>-<dtype>-int4-g32-<key>.safetensors" (int8: no group size), where key hashes the
     source weights (the GGUF's SHA-256; name, size and mtime of each cached float weight file),
-    the kind, the group size, FORMAT_VERSION and quant.py's source."""
+    the kind, the group size, FORMAT_VERSION, quant.py's source and the int4 kernel's layout
+    (stored too, it saves repacking every layer at each start)."""
     dtype = next(m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Linear))
     kind = f"int{bits}" + (f"-g{quant.DEFAULT_GROUP_SIZE}" if bits == 4 else "")
     float_weights = zoo.weights_cache(zoo_name, dtype)
     source = [zoo.ZOO[zoo_name].sha256] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
                                            for p in sorted(float_weights.glob("*.safetensors"))]
-    key = hashlib.sha256("\n".join([*source, kind, f"format {FORMAT_VERSION}", _code_version()]).encode())
+    key = hashlib.sha256("\n".join([*source, kind, f"format {FORMAT_VERSION}", _code_version(),
+                                    quant.kernel_layout()]).encode())
     return float_weights.parent / f"{float_weights.name}-{kind}-{key.hexdigest()[:16]}.safetensors"
 
 
@@ -87,7 +89,8 @@ def _code_version() -> str:
 def _read(path: Path) -> tuple[dict[str, torch.Tensor], int]:
     with safe_open(path, framework="pt") as f:
         metadata = f.metadata() or {}
-        if metadata.get("format") != str(FORMAT_VERSION) or not metadata.get("group_size", "").isdigit():
+        if metadata.get("format") != str(FORMAT_VERSION) or \
+                metadata.get("group_size") not in [str(size) for size in quant.Int4Linear.GROUP_SIZES]:
             raise ValueError(f"unexpected metadata {metadata}")
         tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
         return tensors, int(metadata["group_size"])
