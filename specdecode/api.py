@@ -17,7 +17,7 @@ from specdecode.measure.timing import measure_costs
 from specdecode.models import HFCausalLM, Seq2SeqLM, zoo
 from specdecode.models.loading import (check_model_spec, check_same_tokenizer, eos_token_ids, load_model,
                                        parse_device, parse_dtype)
-from specdecode.models.quant import prepare_draft
+from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 
@@ -229,7 +229,7 @@ class SpeculativeDecoder:
                 raise ValueError("quantize_draft supports decoder-only drafts only")
             bits = None
         if bits:
-            prepare_draft(model, bits)
+            prepare_draft_cached(model, bits, None if given else spec, progress)
         if next(model.parameters()).device != self.device:
             model.to(self.device)
         return _Loaded(self._backend(model, vocab_limit), tok, name)

@@ -5,29 +5,36 @@ the verifier sees exactly the distributions the tokens were sampled from (DESIGN
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+import numbers
+from dataclasses import dataclass
 
 import torch
 
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+# float32 rounds a temperature at or below 2**-150 (≈ 7e-46) to 0, and adjust divides float32
+# logits by it: such a temperature is the limit T → 0 of softmax(l / T), which is greedy.
+GREEDY_TEMPERATURE_AT_MOST = 2.0 ** -150
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to turn logits into the distribution that is sampled (paper §2.2).
 
-    temperature: 0 means greedy (a one-hot distribution on the argmax, lowest id wins ties).
+    temperature: 0 means greedy (a one-hot distribution on the argmax, lowest id wins ties). A
+        positive temperature too small for float32 (≤ 2**-150 ≈ 7e-46; it would round to 0 and
+        divide by zero) is greedy too: softmax(l / T) tends to the argmax as T → 0. Any larger
+        temperature is applied as given.
     top_k: keep the k most likely tokens (and any tied with the k-th); 0 keeps all.
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 keeps all.
     min_p: drop tokens whose probability is below min_p × the top token's; 0.0 keeps all.
     seed: seeds the request's torch.Generator; None draws a fresh seed.
+    Float fields take any real number but a bool (an int is fine), integer fields any integer but
+    a bool; numpy scalars are stored as the Python float or int.
 
     Raises:
-        ValueError: on a negative temperature or top_k, top_p outside (0, 1], min_p outside [0, 1).
+        TypeError: a field of the wrong type (the message names the field).
+        ValueError: on a negative or infinite temperature, a negative top_k, top_p outside (0, 1],
+            min_p outside [0, 1), a seed outside [-2**63, 2**64).
     """
 
     temperature: float = 1.0
@@ -37,20 +44,37 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        self._check_types()
         if not 0 <= self.temperature < math.inf:  # also catches NaN
             raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
-        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**64):
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
+
+    def _check_types(self) -> None:
+        """TypeError on a wrong type; numbers are stored as the field's Python type (torch refuses
+        numpy integers as a seed)."""
+        for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float),
+                           ("seed", int)):
+            value = getattr(self, name)
+            if name == "seed" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral if kind is int else numbers.Real):
+                wanted = ("an integer" if kind is int else "a number (int or float)") + (" or None" if name == "seed" else "")
+                raise TypeError(f"{name} must be {wanted}, got {value!r} ({type(value).__name__})")
+            try:
+                object.__setattr__(self, name, kind(value))
+            except OverflowError:  # an int beyond float's range, e.g. temperature=10**400
+                raise ValueError(f"{name} must be finite, got {value!r}") from None
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature <= GREEDY_TEMPERATURE_AT_MOST
 
 
 def adjust(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -194,10 +194,12 @@ def test_a_batch_is_validated_before_anything_is_generated(decoder):
         decoder.generate(["abc", ""], max_new_tokens=4)
 
 
-@pytest.mark.parametrize("kwargs,match", [(dict(seed=1.5), "seed"), (dict(seed=2**70), "seed"),
-                                          (dict(top_k=True), "top_k"), (dict(temperature=float("inf")), "temperature")])
-def test_bad_seed_and_booleans_are_refused(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"seed": 1.5}, TypeError, "seed must be an integer or None"), ({"seed": 2**70}, ValueError, "seed must be"),
+    ({"top_k": True}, TypeError, "top_k must be an integer"),
+    ({"temperature": float("inf")}, ValueError, "temperature must be finite")])
+def test_bad_seed_and_booleans_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
         SamplingParams(**kwargs)
 
 

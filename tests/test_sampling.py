@@ -1,9 +1,11 @@
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 
-from specdecode.sampling import SamplingParams, adjust
+from specdecode.sampling import SamplingParams, adjust, make_generator
 
 
 def test_greedy_is_one_hot_on_argmax_lowest_index_wins_ties():
@@ -55,3 +57,36 @@ def test_bad_sampling_params_raise(kwargs):
     (name, value), = kwargs.items()
     with pytest.raises(ValueError, match=f"{name} must be .*, got {value}"):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-50, 2.0 ** -150])
+def test_a_temperature_that_rounds_to_zero_in_float32_is_greedy(temperature):
+    # below 2**-150 ≈ 7e-46 float32 holds 0, and dividing by it gave NaN probabilities
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 0.0, 0.0]])
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    assert torch.equal(adjust(logits, params), adjust(logits, SamplingParams(temperature=0)))
+
+
+def test_the_smallest_float32_temperature_still_samples_without_nan():
+    logits = torch.tensor([0.5, 2.0, 2.0, -1.0])
+    params = SamplingParams(temperature=1e-45)  # the smallest positive float32 (a subnormal)
+    assert not params.greedy
+    assert adjust(logits, params).tolist() == [0.0, 0.5, 0.5, 0.0]  # the limit T → 0 of softmax
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", "0.5"), ("temperature", True), ("temperature", None), ("top_k", 2.0), ("top_k", True),
+    ("top_k", "3"), ("top_p", "0.9"), ("top_p", False), ("min_p", [0.1]), ("seed", 1.5), ("seed", True),
+    ("seed", "7")])
+def test_a_field_of_the_wrong_type_raises_a_type_error_naming_it(field, value):
+    with pytest.raises(TypeError, match=rf"^{field} must be .*got {re.escape(repr(value))} \("):
+        SamplingParams(**{field: value})
+
+
+def test_ints_are_numbers_and_numpy_scalars_are_stored_as_python_numbers():
+    params = SamplingParams(temperature=1, top_p=1, min_p=0, top_k=np.int64(3), seed=np.int64(5))
+    assert params == SamplingParams(temperature=1.0, top_p=1.0, min_p=0.0, top_k=3, seed=5)
+    assert type(params.temperature) is float and type(params.top_k) is int and type(params.seed) is int
+    assert type(SamplingParams(temperature=np.float32(0.5)).temperature) is float
+    make_generator(params.seed)  # torch's manual_seed refuses numpy integers

@@ -13,6 +13,10 @@ from __future__ import annotations
 import torch
 
 DEQUANTIZE_ABOVE_ROWS = 16  # rows (tokens) per call above which a float GEMM beats the int kernels
+# What torch's CPU kernels take (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu); float64 fails
+# inside them at the first draft step, so prepare_draft checks first.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEFAULT_GROUP_SIZE = 32  # inputs per int4 scale and zero
 
 
 class _QuantizedLinear(torch.nn.Module):
@@ -48,18 +52,27 @@ class Int8Linear(_QuantizedLinear):
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    @classmethod
+    def from_buffers(cls, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
+        """The layer from its stored tensors (`state()`), without quantizing anything."""
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer.register_buffer("weight_int8", weight_int8)
+        layer.register_buffer("scale", scale)
+        layer.bias = bias
+        return layer
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors that define the layer (from_buffers takes them back)."""
+        return {"weight_int8": self.weight_int8, "scale": self.scale} | ({} if self.bias is None else {"bias": self.bias})
+
     @property
     def out_features(self) -> int:
         return self.weight_int8.shape[0]
 
     def first_rows(self, n: int) -> Int8Linear:
         """A view computing only outputs [0, n) (a vocabulary-limited LM head); no copy."""
-        view = Int8Linear.__new__(Int8Linear)
-        torch.nn.Module.__init__(view)
-        view.register_buffer("weight_int8", self.weight_int8[:n])
-        view.register_buffer("scale", self.scale[:n])
-        view.bias = None if self.bias is None else self.bias[:n]
-        return view
+        return Int8Linear.from_buffers(self.weight_int8[:n], self.scale[:n], None if self.bias is None else self.bias[:n])
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.weight_int8.to(dtype) * self.scale.to(dtype)[:, None]
@@ -91,7 +104,7 @@ class Int4Linear(_QuantizedLinear):
 
     GROUP_SIZES = (32, 64, 128, 256)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = DEFAULT_GROUP_SIZE):
         super().__init__()
         if group_size not in self.GROUP_SIZES:
             raise ValueError(f"group_size must be one of {self.GROUP_SIZES}, got {group_size!r}")
@@ -112,7 +125,29 @@ class Int4Linear(_QuantizedLinear):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
-    def supports(cls, weight: torch.Tensor, group_size: int = 32) -> bool:
+    def from_buffers(cls, nibbles: torch.Tensor, scale_zero: torch.Tensor, bias: torch.Tensor | None,
+                     group_size: int, packed: torch.Tensor | None = None) -> Int4Linear:
+        """The layer from its stored tensors (`state()`), without quantizing anything. `packed`
+        is the kernel's copy, valid only under the same kernel_layout(); None repacks the codes."""
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer.group_size = group_size
+        layer.register_buffer("nibbles", nibbles)
+        layer.register_buffer("scale_zero", scale_zero)
+        if packed is None:
+            packed = torch._convert_weight_to_int4pack_for_cpu(layer.codes().to(torch.int32), 1)
+        layer.register_buffer("packed", packed)
+        layer.bias = bias
+        return layer
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors of the layer (from_buffers takes them back); "packed" is valid only under
+        the same kernel_layout()."""
+        return {"nibbles": self.nibbles, "scale_zero": self.scale_zero, "packed": self.packed} | (
+            {} if self.bias is None else {"bias": self.bias})
+
+    @classmethod
+    def supports(cls, weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> bool:
         return (group_size in cls.GROUP_SIZES and weight.dim() == 2 and weight.shape[0] % 16 == 0
                 and weight.shape[1] % group_size == 0)
 
@@ -134,18 +169,20 @@ class Int4Linear(_QuantizedLinear):
         """A layer computing only outputs [0, n) (a vocabulary-limited LM head). Repacks those
         rows for the kernel (one copy of n rows, made once)."""
         rows = -(-n // 16) * 16  # the kernel takes whole blocks of 16 outputs
-        part = Int4Linear.__new__(Int4Linear)
-        torch.nn.Module.__init__(part)
-        part.group_size = self.group_size
-        part.register_buffer("nibbles", self.nibbles[:rows])
-        part.register_buffer("scale_zero", self.scale_zero[:, :rows].contiguous())
-        part.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(part.codes().to(torch.int32), 1))
-        part.bias = None if self.bias is None else self.bias[:rows]
+        part = Int4Linear.from_buffers(self.nibbles[:rows], self.scale_zero[:, :rows].contiguous(),
+                                       None if self.bias is None else self.bias[:rows], self.group_size)
         return part if rows == n else _Rows(part, n)
 
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size,
                                                  self.scale_zero.to(flat.dtype))
+
+
+def kernel_layout() -> str:
+    """What Int4Linear's packed copy depends on: the int4 kernel picks its layout by the CPU's
+    vector width (AVX-512, AVX2 or neither; ATEN_CPU_CAPABILITY can change it), and a torch
+    release may change it too."""
+    return f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 class _Rows(torch.nn.Module):
@@ -177,19 +214,97 @@ def quantize(model: torch.nn.Module, bits: int = 8) -> torch.nn.Module:
         raise ValueError(f"bits must be 4 or 8, got {bits!r}")
     for name, child in list(model.named_children()):
         if isinstance(child, torch.nn.Linear):
-            int4 = bits == 4 and Int4Linear.supports(child.weight)
-            setattr(model, name, (Int4Linear if int4 else Int8Linear)(child.weight, child.bias))
+            if bits == 4 and Int4Linear.supports(child.weight, DEFAULT_GROUP_SIZE):
+                setattr(model, name, Int4Linear(child.weight, child.bias, DEFAULT_GROUP_SIZE))
+            else:
+                setattr(model, name, Int8Linear(child.weight, child.bias))
         else:
             quantize(child, bits)
     return model
 
 
-def prepare_draft(model: torch.nn.Module, bits: int) -> torch.nn.Module:
-    """Make a draft model the library owns cheaper to run, in place: `quantize(model, bits)`,
-    and eager attention instead of SDPA, whose CPU kernel is slow for the one query row of a
-    draft step (zoo draft, 2 cores: 40 → 30 ms a step at a 1000-token context, equal at 300).
-    Returns the model."""
-    quantize(model, bits)
+def quantized_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every quantized layer's tensors, named "<layer path>.<tensor>" (e.g.
+    "model.layers.0.mlp.up_proj.nibbles"): what `prepare_draft(model, bits, state)` needs to
+    rebuild the layers of another copy of the same float model without quantizing it, under the
+    same kernel_layout()."""
+    return {f"{name}.{key}": tensor for name, layer in model.named_modules()
+            if isinstance(layer, QUANTIZED_LINEAR) for key, tensor in layer.state().items()}
+
+
+def _layer_from_state(linear: torch.nn.Linear, name: str, state: dict[str, torch.Tensor], group_size: int):
+    """The quantized layer stored in `state` for `linear`, checked against its shape and dtype."""
+    out, inp = linear.weight.shape
+    dtype = linear.weight.dtype
+    if f"{name}.nibbles" in state:
+        kind, expected = Int4Linear, {"nibbles": ((out, inp // 2), torch.uint8),
+                                      "scale_zero": ((inp // group_size, out, 2), dtype),
+                                      "packed": ((out, inp // 2), torch.uint8)}
+    else:
+        kind, expected = Int8Linear, {"weight_int8": ((out, inp), torch.int8), "scale": ((out,), torch.float32)}
+    if linear.bias is not None:
+        expected["bias"] = ((out,), linear.bias.dtype)
+    tensors = {key: state.get(f"{name}.{key}") for key in expected}
+    found = {key: None if t is None else (tuple(t.shape), t.dtype) for key, t in tensors.items()}
+    if found != expected:
+        raise ValueError(f"stored {kind.__name__} {name!r} does not fit the model: {found}, expected {expected}")
+    bias = tensors.pop("bias", None)
+    bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+    if kind is Int4Linear:
+        return Int4Linear.from_buffers(tensors["nibbles"], tensors["scale_zero"], bias, group_size, tensors["packed"])
+    return Int8Linear.from_buffers(tensors["weight_int8"], tensors["scale"], bias)
+
+
+def load_quantized(model: torch.nn.Module, state: dict[str, torch.Tensor],
+                   group_size: int = DEFAULT_GROUP_SIZE) -> torch.nn.Module:
+    """Replace every nn.Linear of `model`, in place, by the quantized layer stored for it in
+    `state` (quantized_state of the same float model, under the same kernel_layout()). Every layer is built and checked before
+    any is replaced, so on an error the model is unchanged. Returns the model.
+
+    Raises:
+        ValueError: `state` lacks a layer, has one the model does not, or a tensor's shape or
+            dtype differs from what the model's layer needs.
+    """
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    layers = {name: _layer_from_state(linear, name, state, group_size) for name, linear in linears.items()}
+    used = {f"{name}.{key}" for name, layer in layers.items() for key in layer.state()}
+    if used != set(state):
+        raise ValueError(f"stored layers the model does not have: {sorted(set(state) - used)[:3]}")
+    for name, layer in layers.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+    return model
+
+
+def check_quantizable(model: torch.nn.Module) -> None:
+    """Raises ValueError, naming the dtype, if a linear layer's weights are of a dtype the
+    integer kernels cannot take (anything but KERNEL_DTYPES, e.g. float64)."""
+    dtypes = {m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    bad = sorted(str(dtype) for dtype in dtypes if dtype not in KERNEL_DTYPES)
+    if bad:
+        raise ValueError(
+            f"cannot quantize a draft whose linear layers are {', '.join(bad)}: the int8/int4 kernels take "
+            "float32, bfloat16 or float16. Convert the draft first (e.g. draft.to(torch.bfloat16)) or pass "
+            "quantize_draft='none'")
+
+
+def prepare_draft(model: torch.nn.Module, bits: int, state: dict[str, torch.Tensor] | None = None,
+                  group_size: int = DEFAULT_GROUP_SIZE) -> torch.nn.Module:
+    """Make a draft model the library owns cheaper to run, in place: `quantize(model, bits)`
+    (or, given `state`, `load_quantized(model, state, group_size)`: the same layers, without
+    quantizing), and eager attention instead of SDPA, whose CPU kernel is slow for the one query
+    row of a draft step (zoo draft, 2 cores: 40 → 30 ms a step at a 1000-token context, equal at
+    300). Returns the model.
+
+    Raises:
+        ValueError: weights of a dtype the kernels cannot take (check_quantizable), or a `state`
+            that does not fit the model (load_quantized); either before any layer is replaced.
+    """
+    check_quantizable(model)
+    if state is None:
+        quantize(model, bits)
+    else:
+        load_quantized(model, state, group_size)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation("eager")
     return model

@@ -134,6 +134,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def weights_cache(name: str, dtype: torch.dtype) -> Path:
+    """The safetensors directory a zoo model's float weights are cached in, once loaded in dtype."""
+    return cache_dir() / "safetensors" / f"{name}-{_dtype_name(dtype)}"
+
+
 def load_zoo_model(name: str, dtype: torch.dtype, progress: ProgressFn | None = None):
     """Load a zoo model and its tokenizer, from the safetensors cache when present.
 
@@ -145,7 +150,7 @@ def load_zoo_model(name: str, dtype: torch.dtype, progress: ProgressFn | None = 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_info = ZOO[name]
-    cached = cache_dir() / "safetensors" / f"{name}-{_dtype_name(dtype)}"
+    cached = weights_cache(name, dtype)
     if (cached / "config.json").exists() and (cached / "tokenizer_config.json").exists():
         if progress:
             progress(f"loading {name} ({_dtype_name(dtype)}) from cache")
