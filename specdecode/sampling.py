@@ -102,6 +102,7 @@ def adjust(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # token is always kept and the kept set is the smallest that reaches top_p.
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False  # also when top_p rounds to 0 in float32
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = _renormalize(probs.masked_fill(drop, 0.0))
     if params.min_p > 0.0:

@@ -35,6 +35,9 @@ def test_top_p_keeps_smallest_set_reaching_p():
     assert torch.allclose(adjust(logits, SamplingParams(top_p=0.71)), torch.tensor([0.0, 4 / 9, 2 / 9, 3 / 9]))
     # a tiny top_p keeps only the top token
     assert adjust(logits, SamplingParams(top_p=0.01)).tolist() == [0.0, 1.0, 0.0, 0.0]
+    # also one that rounds to 0 in float32 (it dropped every token: NaN)
+    for tiny in (1e-46, 5e-324):
+        assert adjust(logits, SamplingParams(top_p=tiny)).tolist() == [0.0, 1.0, 0.0, 0.0]
 
 
 def test_min_p_drops_tokens_below_fraction_of_top():

@@ -338,3 +338,108 @@ def test_the_live_page_colours_streamed_tokens_by_origin_in_headless_chromium(se
         browser.save_screenshot(os.environ.get("SPECDECODE_PAGE_SCREENSHOT", "/tmp/specdecode_page.png"))
     finally:
         browser.quit()
+
+
+# --- found by trying to break it ---------------------------------------------------------------
+
+@pytest.mark.parametrize("content, param", [
+    (b'{"model": "tiny", "prompt": "a", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}", None),   # deep nesting
+    (b'{"model": "tiny", "prompt": "a", "max_tokens": ' + b"1" * 5000 + b"}", None),          # 5000 digits
+    ('{"model": "tiny", "prompt": "a\\ud800b"}'.encode(), "prompt"),                             # lone surrogate
+    (b'{"model": "tiny", "prompt": 1}', "prompt"),
+    (b'{"model": "tiny", "prompt": "a", "stop": [1]}', "stop"),
+    (b'{"model": "tiny", "prompt": "a", "seed": 18446744073709551616}', "seed"),
+    (b'{"model": "tiny", "prompt": "a", "temperature": "0.5"}', "temperature"),
+    (b'{"model": "tiny", "prompt": "a", "top_p": true}', "top_p"),
+    (b'{"model": "tiny", "prompt": "a", "logit_bias": {"5": 10}}', "logit_bias"),
+    (b'{"model": "tiny", "prompt": "a", "best_of": 2}', "best_of"),
+    (b'{"model": "tiny", "prompt": "a", "logprobs": 0}', "logprobs"),
+    (b'{"model": "tiny", "prompt": "a", "response_format": {"type": "json_object"}}', "response_format"),
+])
+def test_odd_bodies_get_a_400_naming_the_field(server, content, param):
+    response = httpx.post(server.url + "/v1/completions", content=content, timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and (param is None or error["param"].split(".")[0] == param)
+
+
+def test_nullable_fields_and_text_parts_are_accepted(server):
+    body = {"model": "tiny", "max_tokens": 5, "temperature": 0, "n": None, "stream": None, "presence_penalty": None,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "c"}]}]}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"] == chat(server, "abc", max_tokens=5,
+                                                                       messages=[{"role": "user", "content": "abc"}]
+                                                                       ).choices[0].message.content
+
+
+def test_a_body_over_the_limit_is_refused_with_413(server):
+    response = httpx.post(server.url + "/v1/completions", timeout=60, headers={"content-type": "application/json"},
+                          content=b'{"model": "tiny", "prompt": "' + b"a" * (9 << 20) + b'"}')
+    assert response.status_code == 413 and "MiB" in response.json()["error"]["message"]
+
+
+def test_routes_and_methods_that_do_not_exist_get_the_error_shape(server):
+    assert httpx.get(server.url + "/v1/completions", timeout=10).status_code == 405
+    missing = httpx.get(server.url + "/v2/nothing", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["message"]
+    assert server.client().models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        server.client().models.retrieve("other")
+
+
+def test_a_top_p_that_rounds_to_zero_is_greedy_and_harms_no_other_row(server):
+    others = ["dead beef", "fade", "ace"]
+    solo = [complete(server, p, max_tokens=30).choices[0].text for p in others]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        tiny = pool.submit(complete, server, "abc", max_tokens=30, temperature=1, top_p=1e-46)
+        together = list(pool.map(lambda p: complete(server, p, max_tokens=30).choices[0].text, others))
+        assert tiny.result().choices[0].text == complete(server, "abc", max_tokens=30).choices[0].text
+    assert together == solo
+
+
+def test_a_non_streaming_client_that_hangs_up_frees_its_row(server):
+    calls_before = metric(server, "specdecode:num_target_calls_total")
+    aborted_before = metric(server, 'specdecode:requests_total{status="aborted"}')
+    body = json.dumps({"model": "tiny", "prompt": "a", "max_tokens": 250, "temperature": 0,
+                       "num_speculative_tokens": 0}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 30
+    while metric(server, "specdecode:num_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "specdecode:num_requests_running") == 0
+    assert metric(server, 'specdecode:requests_total{status="aborted"}') == aborted_before + 1
+    assert metric(server, "specdecode:num_target_calls_total") - calls_before < 100  # not the whole 250 tokens
+
+
+def test_streamed_chunks_carry_live_speculation_stats(server):
+    chunks = list(complete(server, "hhh a", max_tokens=24, stream=True))
+    live = [c.model_extra["speculation"] for c in chunks if c.choices and c.choices[0].finish_reason is None]
+    assert live and all(s["mean_tokens_per_call"] > 0 for s in live)
+    calls = [s["num_target_calls"] for s in live]
+    assert calls == sorted(calls) and len(set(calls)) == len(calls)  # a snapshot per step, not one shared object
+
+
+def test_sigterm_with_queued_work_ends_every_request_cleanly(chat_model_dirs):
+    server = Server(chat_model_dirs, "--max-batch-size", "1")
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 250, "temperature": 0}
+
+    def streamed():
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            return [line for line in r.iter_lines() if line]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        plain = [pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=60) for _ in range(2)]
+        streams = [pool.submit(streamed) for _ in range(2)]
+        time.sleep(2)
+        server.process.send_signal(signal.SIGTERM)
+        for future in plain:
+            response = future.result(timeout=60)
+            assert response.status_code in (200, 503) and ("error" in response.json()) == (response.status_code == 503)
+        for future in streams:
+            frames = future.result(timeout=60)
+            assert frames[-1] == "data: [DONE]"
+    assert server.stop() == 0

@@ -50,12 +50,21 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     app = create_app(decoder, model_name=name, max_queue=args.max_queue, api_key=args.api_key)
     if progress:
         progress(f"serving {name!r} on http://{args.host}:{args.port} (page: /, API: /v1, metrics: /metrics)")
-    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (the app's lifespan stops the engine
-    # worker, which ends every in-flight request) and then re-raises the signal under the handler
-    # that was there before it: for SIGTERM that is this no-op, so the process exits 0.
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=10,
+                                           log_level="warning" if args.quiet else "info"))
+    # On SIGINT/SIGTERM, first end every in-flight request (streams get an error event and
+    # [DONE], waiting clients a 503), so uvicorn's graceful shutdown finds no open request to cut.
+    # uvicorn then re-raises the signal under the handler that was there before it: for SIGTERM
+    # that is this no-op, so the process exits 0.
+    uvicorn_exit = server.handle_exit
+
+    def handle_exit(signum, frame):
+        app.state.worker.shutdown()
+        uvicorn_exit(signum, frame)
+
+    server.handle_exit = handle_exit
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
-                timeout_graceful_shutdown=10)
+    server.run()
     if progress:
         print("specdecode: server stopped", file=sys.stderr)
     return 0

@@ -221,7 +221,7 @@ class Engine:
             drafted, kept = row.stats.num_drafted, row.stats.num_accepted
             self._record(row, draft, ks[b], n, len(events), t1 - t0, t2 - t1)
             output.num_drafted, output.num_accepted = row.stats.num_drafted - drafted, row.stats.num_accepted - kept
-            output.stats = row.stats
+            output.stats = row.stats.snapshot()
             row.tokens += new
             row.pending = [token]
             accepted.append(n)
@@ -244,6 +244,7 @@ class Engine:
         stats.num_draft_calls += draft.forwards
         stats.num_lookup_steps += int(draft.lookup)
         stats.record_step(k, n, emitted)
+        stats.num_generated = len(row.out.token_ids)
         row.policy.record(planned, k, n, draft.forwards)
 
     def _admit(self) -> None:

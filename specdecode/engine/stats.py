@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -32,6 +33,10 @@ class GenerationStats:
         self.num_rejected += int(n < k and emitted > n)
         for i in range(kept):
             self.accepted_per_position[i] += 1
+
+    def snapshot(self) -> "GenerationStats":
+        """A copy that later steps do not change."""
+        return dataclasses.replace(self, accepted_per_position=list(self.accepted_per_position))
 
     @property
     def acceptance_rate(self) -> float:

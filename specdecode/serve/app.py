@@ -13,17 +13,19 @@ from importlib import resources
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from specdecode.engine.request import Request
 from specdecode.sampling import SamplingParams
 from specdecode.serve import protocol
 from specdecode.serve.metrics import Metrics
 from specdecode.serve.protocol import ApiError, ChatRequest, CompletionRequest
-from specdecode.serve.worker import EngineWorker, Handle, QueueFull
+from specdecode.serve.worker import EngineWorker, Handle, QueueFull, ShuttingDown
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 1024         # chat has no OpenAI default: the room left, at most this
 DISCONNECT_POLL_S = 0.5
+MAX_BODY_BYTES = 8 << 20               # a larger body is refused before it is read
 
 
 def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | None = None) -> FastAPI:
@@ -52,19 +54,24 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
     @app.exception_handler(ApiError)
     async def api_error(_, err: ApiError):
         metrics.requests.labels(status=str(err.status)).inc()
-        headers = {"Retry-After": "1"} if err.status == 429 else None
+        headers = {"Retry-After": "1"} if err.status in (429, 503) else None
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, err: HTTPException):  # unknown routes, wrong methods: the same error shape
+        return JSONResponse(ApiError(err.status_code, str(err.detail)).body(), status_code=err.status_code,
+                            headers=getattr(err, "headers", None))
 
     @app.exception_handler(Exception)
     async def server_error(_, err: Exception):
         metrics.requests.labels(status="500").inc()
-        return JSONResponse(ApiError(500, f"internal error: {type(err).__name__}: {err}").body(), status_code=500)
+        return JSONResponse(ApiError(500, f"internal error ({type(err).__name__})").body(), status_code=500)
 
     def check_key(http: HttpRequest) -> None:
         if api_key is None:
             return
-        given = http.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        scheme, _, given = http.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     @app.get("/health")
@@ -79,11 +86,20 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
     async def page():
         return resources.files("specdecode.serve").joinpath("static/index.html").read_text("utf-8")
 
+    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "specdecode"}
+
     @app.get("/v1/models")
     async def models(http: HttpRequest):
         check_key(http)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "specdecode"}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, http: HttpRequest):
+        check_key(http)
+        if model_id != model_name:
+            raise ApiError(404, f"model {model_id!r} does not exist; this server has {model_name!r}", "model",
+                           "model_not_found")
+        return model_card
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
@@ -95,28 +111,42 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
 
     async def generate(http: HttpRequest, kind, chat: bool):
         check_key(http)
-        try:
-            body = json.loads(await http.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the request body is not valid JSON") from None
+        body = await read_json(http)
         req = protocol.parse(kind, body)
         if req.model != model_name:
             raise ApiError(404, f"model {req.model!r} does not exist; this server has {model_name!r}", "model",
                            "model_not_found")
-        request, prompt_tokens = build_request(decoder, req, chat)
+        # Tokenizing a long prompt takes a while: off the event loop, so other streams flow meanwhile.
+        request, prompt_tokens = await asyncio.to_thread(build_request, decoder, req, chat)
         handle = Handle(request, asyncio.get_running_loop())
         try:
             worker.submit(handle)
         except QueueFull as err:
             raise ApiError(429, f"server busy: {err}; retry later") from None
+        except ShuttingDown as err:
+            raise ApiError(503, str(err)) from None
         ids = protocol.ResponseIds(chat, model_name)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(stream(handle, ids, prompt_tokens, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         result = await wait(http, handle)
+        if result is None:  # the client left; nobody reads this
+            return Response(status_code=499)
         metrics.requests.labels(status="200").inc()
         return protocol.full_response(ids, result, prompt_tokens)
+
+    async def read_json(http: HttpRequest):
+        declared = http.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
+        raw = await http.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError):  # bad JSON, bad UTF-8, 5000-digit integers, deep nesting
+            raise ApiError(400, "the request body is not valid JSON") from None
 
     def observe(handle: Handle, state: dict, output) -> None:
         now = time.perf_counter()
@@ -131,22 +161,28 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
         state["last"] = now
 
     async def wait(http: HttpRequest, handle: Handle):
-        """The finished result; aborts the row if the client goes away first."""
+        """The finished result, or None after aborting the row if the client went away first."""
         state, result = {}, None
+        checked = float("-inf")  # check at once, then on a clock
         while True:
             try:
                 item = await asyncio.wait_for(handle.queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                item = ...
+            # A running row delivers every step, so the client is checked on a clock, not on silence.
+            if time.perf_counter() - checked >= DISCONNECT_POLL_S:
+                checked = time.perf_counter()
                 if await http.is_disconnected():
                     worker.abort(handle)
                     metrics.requests.labels(status="aborted").inc()
-                    raise ApiError(499, "client disconnected") from None
+                    return None
+            if item is ...:
                 continue
             if item is None:
                 count_tokens(result)
                 return result
             if isinstance(item, Exception):
-                raise ApiError(500, f"generation failed: {type(item).__name__}: {item}")
+                raise failure(item)
             observe(handle, state, item)
             result = item.result or result
 
@@ -154,7 +190,7 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
         metrics.generation_tokens.inc(len(result.token_ids) - int(result.finish_reason == "eos"))
 
     async def stream(handle: Handle, ids, prompt_tokens: int, include_usage: bool):
-        finished, state = False, {}
+        outcome, state = "aborted", {}  # until the stream ends on its own
         try:
             if ids.chat:
                 yield sse(protocol.chunk(ids, "", [], role=True))
@@ -163,7 +199,9 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
                 if item is None:
                     break
                 if isinstance(item, Exception):
-                    yield sse(ApiError(500, f"generation failed: {type(item).__name__}: {item}").body())
+                    error = failure(item)
+                    outcome = str(error.status)
+                    yield sse(error.body())
                     break
                 observe(handle, state, item)
                 tokens = [{"id": e.token_id, "text": e.text, "origin": e.origin} for e in item.events]
@@ -172,7 +210,7 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
                         yield sse(protocol.chunk(ids, "".join(e.text for e in item.events), tokens, stats=item.stats))
                     continue
                 result = item.result
-                finished = True
+                outcome = "200"
                 count_tokens(result)
                 yield sse(protocol.chunk(ids, "".join(e.text for e in item.events), tokens,
                                          protocol.finish_reason(result.finish_reason), stats=result.stats))
@@ -181,13 +219,19 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
                     yield sse({**ids.base(chunk=True), "choices": [],
                                "usage": protocol.usage(prompt_tokens, completion)})
             yield "data: [DONE]\n\n"
-            metrics.requests.labels(status="200" if finished else "500").inc()
         finally:
-            if not finished:  # the client went away (or the server stops): free the row
+            if outcome == "aborted":  # the client went away: free the row
                 worker.abort(handle)
-                metrics.requests.labels(status="aborted").inc()
+            metrics.requests.labels(status=outcome).inc()
 
     return app
+
+
+def failure(err: Exception) -> ApiError:
+    """The error a request's client gets when its generation could not finish."""
+    if isinstance(err, ShuttingDown):
+        return ApiError(503, str(err))
+    return ApiError(500, f"generation failed ({type(err).__name__}); the server goes on")
 
 
 def sse(body: dict) -> str:
@@ -207,16 +251,16 @@ def build_request(decoder, req, chat: bool) -> tuple[Request, int]:
         if chat:
             if not getattr(tokenizer, "chat_template", None):
                 raise ValueError("this model has no chat template; use /v1/completions")
-            ids = tokenizer.apply_chat_template([m.model_dump() for m in req.messages], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
             ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
         elif isinstance(req.prompt, str):
             ids = tokenizer.encode(req.prompt, add_special_tokens=False) if req.prompt else []
         else:
             ids = list(req.prompt)
         ids = decoder.encode(ids)
-    except ValueError as err:
-        raise ApiError(400, str(err), param) from None
+    except (ValueError, TypeError) as err:  # also text the tokenizer cannot take (lone surrogates)
+        raise ApiError(400, str(err).splitlines()[0] if str(err) else "the prompt cannot be tokenized", param) from None
     limit = decoder.target.backend.max_length
     room = limit - len(ids) if limit is not None else None
     default = COMPLETION_DEFAULT_MAX_TOKENS if not chat else min(CHAT_DEFAULT_MAX_TOKENS, room or CHAT_DEFAULT_MAX_TOKENS)

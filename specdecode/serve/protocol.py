@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 MAX_GAMMA = 64
+Number = Annotated[float, Field(strict=True)]  # JSON numbers only: "0.5" and true are refused
 
 
 class ApiError(Exception):
@@ -35,42 +36,71 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI's servers do."""
+    """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI's servers do, except
+    those that would change the output (refused in refuse_unsupported)."""
 
-    model_config = ConfigDict(extra="ignore")
-    model: str
+    model_config = ConfigDict(extra="allow")
+    model: StrictStr
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: Number | None = Field(default=None, ge=0, le=2)
+    top_p: Number | None = Field(default=None, gt=0, le=1)
     top_k: StrictInt | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0, lt=1)
-    seed: StrictInt | None = None
-    stop: str | list[str] | None = None
-    stream: StrictBool = False
+    min_p: Number | None = Field(default=None, ge=0, lt=1)
+    seed: StrictInt | None = Field(default=None, ge=-2**63, lt=2**64)
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: StrictInt | None = 1
+    presence_penalty: Number | None = 0.0
+    frequency_penalty: Number | None = 0.0
     num_speculative_tokens: StrictInt | None = Field(default=None, ge=0, le=MAX_GAMMA)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    content: StrictStr | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: StrictBool = False
+    logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[StrictInt]
+    prompt: StrictStr | list[StrictInt]
     logprobs: StrictInt | None = None
-    echo: StrictBool = False
+    echo: StrictBool | None = False
+
+
+# Fields that change what a request returns: refused until they are done exactly, never ignored.
+# Each with the values that mean the same as leaving it out.
+UNSUPPORTED = {"logit_bias": ((None, {}), "logit_bias is not supported"),
+               "best_of": ((None, 1), "best_of is not supported (use n=1)"),
+               "suffix": ((None, ""), "suffix is not supported"),
+               "tools": ((None, []), "tools are not supported"),
+               "tool_choice": ((None, "none"), "tool_choice is not supported"),
+               "functions": ((None, []), "functions are not supported"),
+               "response_format": ((None, {"type": "text"}), "response_format is not supported yet"),
+               "logprobs": ((None, False), "logprobs are not supported yet"),
+               "top_logprobs": ((None,), "top_logprobs are not supported yet"),
+               "echo": ((None, False), "echo is not supported")}
+
+
+def _same(value, neutral) -> bool:
+    """Equal and of the same type (in Python 0 == False == 0.0, which JSON tells apart)."""
+    return value is neutral or (type(value) is type(neutral) and value == neutral)
 
 
 def parse(kind: type[BaseModel], body) -> BaseModel:
@@ -85,23 +115,30 @@ def parse(kind: type[BaseModel], body) -> BaseModel:
         request = kind.model_validate(body)
     except ValidationError as err:
         first = err.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        param = _param(first["loc"])
         raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
-    refuse_unsupported(request)
+    refuse_unsupported(request, body)
     return request
 
 
-def refuse_unsupported(request) -> None:
+def _param(loc) -> str | None:
+    """pydantic's error location as the field's name: list indices kept, union branch names
+    ("str", "list[int]", ...) dropped."""
+    parts = [str(p) for p in loc if isinstance(p, int) or ("[" not in str(p) and str(p) not in
+                                                           ("str", "int", "float", "bool", "list", "dict"))]
+    return ".".join(parts) or None
+
+
+def refuse_unsupported(request, body: dict) -> None:
     """What the engine does not do exactly yet gets a clear 400, never a silent change of output."""
-    if request.n != 1:
+    if request.n not in (None, 1):
         raise ApiError(400, "n must be 1: one completion per request", "n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(request, name):
             raise ApiError(400, f"{name} is not supported yet (only 0)", name)
-    if getattr(request, "logprobs", None) or getattr(request, "top_logprobs", None):
-        raise ApiError(400, "logprobs are not supported yet", "logprobs")
-    if getattr(request, "echo", False):
-        raise ApiError(400, "echo is not supported", "echo")
+    for name, (neutral, message) in UNSUPPORTED.items():
+        if not any(_same(body.get(name), v) for v in neutral):
+            raise ApiError(400, message, name)
     if isinstance(request.stop, list) and (len(request.stop) > 16 or not all(request.stop)):
         raise ApiError(400, "stop must be at most 16 non-empty strings", "stop")
     if request.stop == "":

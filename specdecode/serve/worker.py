@@ -24,6 +24,10 @@ class QueueFull(Exception):
     """More requests are waiting than the server takes (HTTP 429)."""
 
 
+class ShuttingDown(Exception):
+    """The server is stopping: no new requests, and in-flight ones end (HTTP 503)."""
+
+
 @dataclass
 class Handle:
     """A submitted request, as its handler sees it: `queue` yields StepOutputs, then an Exception
@@ -74,7 +78,7 @@ class EngineWorker:
         """
         with self._lock:
             if self._stop:
-                raise QueueFull("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             capacity = self.engine.capacity
             free = max(0, capacity - self.num_running) if capacity is not None else 1 << 30
             if self.num_waiting >= self.max_queue + free:
@@ -88,12 +92,17 @@ class EngineWorker:
         self._inbox.put(("abort", handle))
         self._wake.set()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Abort everything in flight and end the thread."""
+    def shutdown(self) -> None:
+        """Refuse new requests and end every in-flight one with ShuttingDown (any thread; returns at once)."""
         with self._lock:
             self._stop = True
         self._wake.set()
-        self._thread.join(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """shutdown(), then wait for the thread to end."""
+        self.shutdown()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:
@@ -150,7 +159,7 @@ class EngineWorker:
         for request_id, handle in list(self._handles.items()):
             if error is None:
                 self.engine.abort(request_id)
-            self._send(handle, error or RuntimeError("the server is shutting down"))
+            self._send(handle, error or ShuttingDown("the server is shutting down"))
         self._handles.clear()
 
     @staticmethod
