@@ -37,7 +37,7 @@ def main():
     greedy = SamplingParams(temperature=0.0)
     new = SpeculativeDecoder()
     old = specdecode_old.SpeculativeDecoder()
-    prompts = [(p.task, new.encode(p.prompt, chat=p.chat)) for p in load_prompts("code", args.prompts)]
+    prompts = [(p.task, new.encode(p.text, chat=None if p.chat else False)) for p in load_prompts("code", args.prompts)]
     configs = bench.build_configs(new, args.new_tokens, greedy, [], [], headline=True)
     configs["new engine, as configured"] = configs.pop("specdecode as configured")
     old_configs = old_build_configs(old, args.new_tokens, specdecode_old.SamplingParams(temperature=0.0), [], [],

@@ -106,7 +106,9 @@ class SpeculativeDecoder:
             fully accepted block and drops 1 otherwise, within [1, γ] (transformers' "heuristic"
             schedule). Exact either way (the choice looks only at the past).
         guard: pause drafting while the request's acceptances say it does not pay (Cor. 3.9's
-            α > c checked at run time, specdecode.engine.guard), probing again every 16 steps.
+            α > c checked at run time, specdecode.engine.guard), probing again every 16 steps;
+            and, with two or more such requests running, pause them on steps where the loop's
+            own timings say a plain step serves the batch better (specdecode.engine.cost).
             Exact either way. Seeded sampled requests are not guarded, so that a seed gives the
             same output alone, in a batch and in another process. Default True.
         guard_costs: (c, slope) for the guard: c = a draft forward's time over a target step's,
@@ -180,7 +182,8 @@ class SpeculativeDecoder:
         self.guard_costs = None  # None: no guard
         if guard and self.draft is not None:
             self.guard_costs = guard_costs or self._measure_guard_costs(progress)
-        self.engine = Engine(self.target.backend, self._proposer(), self.tokenizer, max_batch_size)
+        self.engine = Engine(self.target.backend, self._proposer(), self.tokenizer, max_batch_size,
+                             batch_guard=self.guard_costs is not None)
         self._driver = Driver(self.engine)
 
     def _check_pair(self) -> None:

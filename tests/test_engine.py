@@ -167,3 +167,59 @@ def test_a_draft_with_a_smaller_embedding_table_gets_a_placeholder_for_ids_it_ca
     prompt = [5, 17, 110, 2, 115, 40]
     spec = run(target, DraftModelProposer(draft), prompt, config(24))
     assert spec.token_ids == run(target, None, prompt, config(24)).token_ids
+
+
+class TimedTable(TableModel):
+    """A table model whose forward takes `per_token` seconds per token fed (padding included),
+    plus `fixed`: a stand-in for a target whose wide verify steps cost more than plain ones."""
+
+    def __init__(self, *args, per_token=0.0, fixed=0.0, **kw):
+        super().__init__(*args, **kw)
+        self.per_token, self.fixed = per_token, fixed
+
+    def forward(self, feeds, num_logits):
+        import time
+
+        time.sleep(self.fixed + self.per_token * len(feeds) * max(len(f) for f in feeds))
+        return super().forward(feeds, num_logits)
+
+
+def test_batch_cost_model_fits_lines_and_pauses_only_when_plain_steps_yield_more():
+    from specdecode.engine.cost import BatchCostModel, LineFit
+
+    fit = LineFit()
+    for x in (4, 36, 4, 36):
+        fit.add(x, 0.01 + 0.002 * x)
+    assert fit.predict(20) == pytest.approx(0.05)
+    model = BatchCostModel(probe_every=3)
+    assert model.speculate(4, 9, 8, 4.0)  # nothing timed yet: speculate and measure
+    model.observe_target(4, 1, 0.018)
+    model.observe_target(36, 9, 0.082)
+    model.observe_draft(8, 4, 0.016)
+    # 4 rows × 2 tokens per verify step: 8 / (0.082 + 0.016) < 4 / 0.018, so pause, probing every 3rd step
+    assert [model.speculate(4, 9, 8, 8.0) for _ in range(6)] == [False, False, True, False, False, True]
+    assert model.speculate(4, 9, 8, 36.0)  # 36 / 0.098 > 4 / 0.018: every row accepts everything
+
+
+def _guarded(n=40, k=6):
+    return config(n, k=k, costs=(0.0, 0.0))
+
+
+def test_the_batch_guard_pauses_drafting_when_wide_steps_cost_more_than_they_yield_and_output_is_unchanged():
+    target = TimedTable(8, seed=0, sharpness=1.0, per_token=0.002)
+    bad_draft = TableModel(8, seed=7, sharpness=4.0)
+    prompts = [[1, 2, 3], [4, 5], [6, 1], [2, 2, 7]]
+    batch = run_all(target, DraftModelProposer(bad_draft), [Request(p, _guarded()) for p in prompts],
+                    max_batch_size=None, batch_guard=True)
+    assert sum(r.stats.num_batch_pauses for r in batch) > 0
+    for prompt, got in zip(prompts, batch):
+        assert got.token_ids == run(target, None, prompt, _guarded()).token_ids  # greedy: the target's own
+
+
+def test_the_batch_guard_keeps_drafting_when_verifying_is_as_cheap_as_a_plain_step():
+    target = TimedTable(8, seed=0, sharpness=1.0, fixed=0.004)
+    same = TableModel(8, seed=0, sharpness=1.0)  # the target itself: every draft accepted
+    prompts = [[1, 2, 3], [4, 5], [6, 1]]
+    batch = run_all(target, DraftModelProposer(same), [Request(p, _guarded()) for p in prompts], batch_guard=True)
+    # one plain step times that kind of step; after it, drafting always pays here
+    assert all(r.stats.num_batch_pauses <= 1 and r.stats.mean_tokens_per_call > 4 for r in batch)

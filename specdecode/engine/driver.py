@@ -60,10 +60,10 @@ class Driver:
         self.results.pop(request_id, None)
 
 
-def run_all(target, proposer, requests: list[Request], tokenizer=None,
-            max_batch_size: int | None = None) -> list[GenerationResult]:
+def run_all(target, proposer, requests: list[Request], tokenizer=None, max_batch_size: int | None = None,
+            batch_guard: bool = False) -> list[GenerationResult]:
     """Decode every request through one engine (a continuous batch); results in order."""
-    driver = Driver(Engine(target, proposer, tokenizer, max_batch_size))
+    driver = Driver(Engine(target, proposer, tokenizer, max_batch_size, batch_guard))
     ids = [driver.submit(request) for request in requests]
     return [driver.result(request_id) for request_id in ids]
 

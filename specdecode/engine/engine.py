@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.engine.cost import BatchCostModel
 from specdecode.engine.output import Output
 from specdecode.engine.policy import GammaPolicy
 from specdecode.engine.request import (ACCEPTED, BONUS, CORRECTED, TARGET, DecodeConfig, GenerationResult,
@@ -113,11 +114,16 @@ class Engine:
         tokenizer: for text and stop strings; None decodes ids only (text is "").
         max_batch_size: the most rows running at once (None: as many as the backends take);
             further requests wait in order.
+        batch_guard: with two or more guarded rows (requests with guard costs), pause their
+            drafting on steps where the loop's own timings say a plain step yields more tokens
+            per second for the batch (engine.cost). Greedy output is unchanged (exactness holds
+            step by step); which steps draft then depends on the batch, so the statistics do.
     Raises:
         ValueError: max_batch_size < 1.
     """
 
-    def __init__(self, target, proposer=None, tokenizer=None, max_batch_size: int | None = None):
+    def __init__(self, target, proposer=None, tokenizer=None, max_batch_size: int | None = None,
+                 batch_guard: bool = False):
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size!r}")
         self.target, self.proposer, self.tokenizer = target, proposer, tokenizer
@@ -127,6 +133,7 @@ class Engine:
         self.running: list[_Row] = []
         self.waiting: deque[tuple[int, Request]] = deque()
         self._next_id = 0
+        self.cost = BatchCostModel() if batch_guard and proposer is not None else None
         target.reset()
 
     @property
@@ -185,6 +192,9 @@ class Engine:
         # 1 plan
         ks = [row.policy.plan(row.config.max_new_tokens - len(row.out.token_ids), limit, len(row.tokens))
               for row in rows]
+        prompt_read = any(len(row.pending) > 1 for row in rows)
+        if self.cost is not None:
+            ks = self._batch_plan(rows, ks)
         # 2 propose
         synchronize(self.device)
         t0 = time.perf_counter()
@@ -203,6 +213,10 @@ class Engine:
         logits = self.target.forward(feeds, width)  # [B, width, V]
         synchronize(self.device)
         t2 = time.perf_counter()
+        if self.cost is not None and not prompt_read:  # a prompt read is not a step's cost
+            fed = max(len(f) for f in feeds)  # every row is padded to the widest feed
+            self.cost.observe_target(len(rows) * fed, fed, t2 - t1)
+            self.cost.observe_draft(max(d.forwards for d in drafts), sum(k > 0 for k in ks), t1 - t0)
         # 4 accept and 5 commit, row by row with each row's generator
         accepted, new_tokens = [], []
         for b, (row, draft, ids) in enumerate(zip(rows, drafts, draft_ids)):
@@ -211,17 +225,13 @@ class Engine:
                               row.generator)
             new = ids[:n] + [token]
             origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]
-            events = outputs[row.request_id].events
+            output = outputs[row.request_id]
             for token_id, origin in zip(new, origins):
-                events.append(row.out.push(token_id, origin))
+                output.events.append(row.out.push(token_id, origin))
                 if row.out.finish_reason is not None:
                     break
             # 6 record
-            output = outputs[row.request_id]
-            drafted, kept = row.stats.num_drafted, row.stats.num_accepted
-            self._record(row, draft, ks[b], n, len(events), t1 - t0, t2 - t1)
-            output.num_drafted, output.num_accepted = row.stats.num_drafted - drafted, row.stats.num_accepted - kept
-            output.stats = row.stats.snapshot()
+            self._record(row, draft, ks[b], n, output, t1 - t0, t2 - t1)
             row.tokens += new
             row.pending = [token]
             accepted.append(n)
@@ -232,20 +242,35 @@ class Engine:
         self._leave([row for row in rows if row.out.finish_reason is not None], outputs)
         return list(outputs.values())
 
+    def _batch_plan(self, rows: list[_Row], ks: list[int]) -> list[int]:
+        """ks, or 0 for every guarded row when a plain step serves the batch better (engine.cost)."""
+        guarded = [row.policy.guard is not None for row in rows]
+        if sum(guarded) < 2 or not any(ks) or any(k for k, g in zip(ks, guarded) if not g):
+            return ks  # one row's own guard decides; an unguarded drafting row widens the step anyway
+        expected = sum(row.policy.expected_tokens(k) if k else 1 for row, k in zip(rows, ks))
+        if self.cost.speculate(len(rows), max(ks) + 1, max(ks), expected):
+            return ks
+        for row in rows:
+            row.stats.num_batch_pauses += 1
+        return [0] * len(ks)
+
     @staticmethod
-    def _record(row: _Row, draft: Draft, planned: int, n: int, emitted: int, draft_s: float,
+    def _record(row: _Row, draft: Draft, planned: int, n: int, output: StepOutput, draft_s: float,
                 target_s: float) -> None:
         k = len(draft.tokens)
         stats = row.stats
+        drafted, kept = stats.num_drafted, stats.num_accepted
         stats.num_target_calls += 1
         stats.time_target_s += target_s
         if k:
             stats.time_draft_s += draft_s
         stats.num_draft_calls += draft.forwards
         stats.num_lookup_steps += int(draft.lookup)
-        stats.record_step(k, n, emitted)
+        stats.record_step(k, n, len(output.events))
         stats.num_generated = len(row.out.token_ids)
         row.policy.record(planned, k, n, draft.forwards)
+        output.num_drafted, output.num_accepted = stats.num_drafted - drafted, stats.num_accepted - kept
+        output.stats = stats.snapshot()
 
     def _admit(self) -> None:
         while self.waiting and (self.capacity is None or len(self.running) < self.capacity):
