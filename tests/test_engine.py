@@ -184,34 +184,42 @@ class TimedTable(TableModel):
         return super().forward(feeds, num_logits)
 
 
-def test_batch_cost_model_fits_lines_and_pauses_only_when_plain_steps_yield_more():
-    from specdecode.engine.cost import BatchCostModel, LineFit
+def test_batch_cost_model_caps_gamma_where_the_batch_yields_most_tokens_per_second():
+    from specdecode.engine.cost import BatchCostModel, LineFit, expected_tokens
 
     fit = LineFit()
     for x in (4, 36, 4, 36):
         fit.add(x, 0.01 + 0.002 * x)
     assert fit.predict(20) == pytest.approx(0.05)
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(0.0, 8) == 1.0
     model = BatchCostModel(probe_every=3)
-    assert model.speculate(4, 9, 8, 4.0)  # nothing timed yet: speculate and measure
-    model.observe_target(4, 1, 0.018)
-    model.observe_target(36, 9, 0.082)
-    model.observe_draft(8, 4, 0.016)
-    # 4 rows × 2 tokens per verify step: 8 / (0.082 + 0.016) < 4 / 0.018, so pause, probing every 3rd step
-    assert [model.speculate(4, 9, 8, 8.0) for _ in range(6)] == [False, False, True, False, False, True]
-    assert model.speculate(4, 9, 8, 36.0)  # 36 / 0.098 > 4 / 0.018: every row accepts everything
+    assert model.gamma_cap([8, 8, 8, 8], [None] * 4) == 8  # nothing timed yet: draft and measure
+    for tokens, width, seconds in ((36, 9, 0.082), (36, 9, 0.082), (36, 9, 0.082)):
+        model.observe_target(tokens, width, seconds)
+    assert model.gamma_cap([8] * 4, [0.1] * 4) == 0       # a verify is timed: now time a plain step
+    model.observe_target(4, 1, 0.018)                      # T(n) = 0.01 + 0.002 n
+    model.observe_draft(8, 4, 0.016)                       # D = 2 ms
+    # a poor draft: plain steps win, but every 3rd capped step drafts as planned (a probe)
+    assert [model.gamma_cap([8] * 4, [0.1] * 4) for _ in range(3)] == [0, 0, 8]
+    # otherwise the k with the most tokens per second: rate(k) = 4 E(α, k) / (T(4 (k + 1)) + k D)
+    for alpha, best in ((0.99, 8), (0.95, 4), (0.6, 1)):
+        rates = {k: 4 * expected_tokens(alpha, k) / (0.018 + 0.008 * k + 0.002 * k) for k in range(9)}
+        assert max(rates, key=rates.get) == best
+        assert model.gamma_cap([8] * 4, [alpha] * 4) == best
+    assert model.gamma_cap([8, 1, 1, 1], [0.99] * 4) == 8  # rows keep their own plans below the cap
 
 
 def _guarded(n=40, k=6):
     return config(n, k=k, costs=(0.0, 0.0))
 
 
-def test_the_batch_guard_pauses_drafting_when_wide_steps_cost_more_than_they_yield_and_output_is_unchanged():
+def test_the_batch_guard_caps_drafting_when_wide_steps_cost_more_than_they_yield_and_output_is_unchanged():
     target = TimedTable(8, seed=0, sharpness=1.0, per_token=0.002)
     bad_draft = TableModel(8, seed=7, sharpness=4.0)
     prompts = [[1, 2, 3], [4, 5], [6, 1], [2, 2, 7]]
     batch = run_all(target, DraftModelProposer(bad_draft), [Request(p, _guarded()) for p in prompts],
                     max_batch_size=None, batch_guard=True)
-    assert sum(r.stats.num_batch_pauses for r in batch) > 0
+    assert sum(r.stats.num_batch_caps for r in batch) > 0
     for prompt, got in zip(prompts, batch):
         assert got.token_ids == run(target, None, prompt, _guarded()).token_ids  # greedy: the target's own
 
@@ -222,4 +230,4 @@ def test_the_batch_guard_keeps_drafting_when_verifying_is_as_cheap_as_a_plain_st
     prompts = [[1, 2, 3], [4, 5], [6, 1]]
     batch = run_all(target, DraftModelProposer(same), [Request(p, _guarded()) for p in prompts], batch_guard=True)
     # one plain step times that kind of step; after it, drafting always pays here
-    assert all(r.stats.num_batch_pauses <= 1 and r.stats.mean_tokens_per_call > 4 for r in batch)
+    assert all(r.stats.num_batch_caps <= 1 and r.stats.mean_tokens_per_call > 4 for r in batch)

@@ -1,25 +1,24 @@
-"""Does speculation pay for the whole batch this step? (Cor. 3.9 for a batch, from the loop's own
-timings.)
+"""How many drafts pay for the whole batch this step? (Cor. 3.9 and Thm 3.8 for a batch, from
+the loop's own timings.)
 
 The paper's speedup assumes spare compute: verifying k+1 tokens costs about one step (§3.3). A
 batch spends that compute on other rows: with B rows a verify reads B·(k+1) tokens where a plain
 step reads B, and on a CPU the target's forward time grows with the tokens it reads once they
-fill the matrix units. Per-row guards (engine.guard) cannot see that, so the engine also asks
-this model, each step with two or more guarded rows:
+fill the matrix units. Per-row guards (engine.guard) cannot see that, so with two or more guarded
+rows the engine caps every row's γ at the k that maximizes the batch's expected tokens per second:
 
-    speculate  ⇔  Σ_b E_b / (T(B·(k+1)) + F·D(B))  >  B / T(B)
+    k* = argmax_k  Σ_b E(α_b, min(k, k_b)) / (T(B·(k+1)) + k·D(B)),   E(α, k) = (1 − α^{k+1}) / (1 − α)
 
-E_b is row b's running average of tokens per speculative step (its guard's), T(n) the target's
-forward time for n fed tokens and D(r) a draft forward's time for r rows, both fitted online to
-the loop's own measurements (least squares on a line, older observations fading), F the draft
-forwards the plan needs. The first steps speculate; once a few verify steps are timed, one plain
-step is taken to time that kind too; and while paused, one step in `probe_every` speculates, so
-both estimates stay fresh.
+(k = 0 is a plain step: B tokens in T(B)). E is paper Eq. 1 with row b's measured α̂ (the batch's
+mean for a row without one yet); T(n) is the target's forward time for n fed tokens and D(r) a
+draft forward's time for r rows, both fitted online to the loop's own measurements (least
+squares on a line, older observations fading). The first steps draft as planned; once a few
+verify steps are timed, one plain step is taken to time that kind too; while capped, one step in
+`probe_every` drafts as planned, so every estimate stays fresh.
 
-Exactness: the choice of γ (here 0 or the rows' plans) is made before the step's drafts and
-draws, from past timings and tokens only, so each step still samples exactly from p (§2.3).
-Only guarded rows (greedy and unseeded requests) are ever paused, so a seeded request's output
-still never depends on its batch (DESIGN.md rule 7).
+Exactness: γ is chosen before the step's drafts and draws, from past timings and tokens only, so
+each step still samples exactly from p (§2.3). Only guarded rows (greedy and unseeded requests)
+are ever capped, so a seeded request's output still never depends on its batch (DESIGN.md rule 7).
 """
 
 from __future__ import annotations
@@ -49,50 +48,67 @@ class LineFit:
         return max(1e-9, mean_y + slope * (x - mean_x))
 
 
+PRIOR_ALPHA = 0.8  # α for rows without a measurement while no row has one (optimistic: draft, then measure)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Paper Eq. 1: tokens per step with γ = k drafts at acceptance α."""
+    alpha = min(max(alpha, 0.0), 0.999)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
 class BatchCostModel:
     """The target's and the draft's forward times, fitted to the loop's measurements, and the
-    batch decision of the module docstring.
+    batch's γ cap of the module docstring.
 
     Args:
-        probe_every: while paused, speculate on one step in this many (>= 1).
+        probe_every: while capped, draft as planned on one step in this many (>= 1).
     """
 
     def __init__(self, probe_every: int = 16):
         self.target = LineFit()   # seconds of a target forward vs tokens fed (padding included)
         self.draft = LineFit()    # seconds of a draft forward vs rows fed
-        self.widths: set[int] = set()  # feed widths seen: a plain step is 1, a verify k+1
+        self.widths: set[int] = set()  # feed widths seen: a plain step is 1, a verify k+1 (as 2)
+        self.verify_steps = 0
         self.probe_every = probe_every
-        self.paused_steps = 0
-        self.num_pauses = 0
+        self.capped_steps = 0
 
     def observe_target(self, tokens_fed: int, width: int, seconds: float) -> None:
         self.target.add(tokens_fed, seconds)
         self.widths.add(min(width, 2))
+        self.verify_steps += width > 1
 
     def observe_draft(self, forwards: int, rows: int, seconds: float) -> None:
         if forwards:
             self.draft.add(rows, seconds / forwards)
 
-    def speculate(self, rows: int, planned_width: int, draft_forwards: int, expected_tokens: float) -> bool:
-        """Whether drafting this step yields more tokens per second than a plain step.
+    def gamma_cap(self, planned: list[int], alphas: list[float | None]) -> int:
+        """The most drafts any row may make this step (max(planned) when nothing is capped).
 
         Args:
-            rows: B, the rows of this step.  planned_width: the widest feed if rows draft (k+1).
-            draft_forwards: F.  expected_tokens: Σ_b E_b for the rows that would draft, plus one
-                per row that would not.
+            planned: each row's γ from its own policy.  alphas: each row's α̂ (None: not measured).
         """
+        k_max = max(planned)
         if 2 not in self.widths:  # no verify step timed yet
-            return True
+            return k_max
         if 1 not in self.widths:  # time one plain step, once the verify steps' time is known
-            return self.target.n < 3
-        plain_s = self.target.predict(rows)
-        spec_s = self.target.predict(rows * planned_width) + draft_forwards * (self.draft.predict(rows) or 0.0)
-        if expected_tokens / spec_s > rows / plain_s:
-            self.paused_steps = 0
-            return True
-        self.paused_steps += 1
-        if self.paused_steps >= self.probe_every:
-            self.paused_steps = 0
-            return True
-        self.num_pauses += 1
-        return False
+            return k_max if self.verify_steps < 3 else 0
+        known = [a for a in alphas if a is not None]
+        prior = sum(known) / len(known) if known else PRIOR_ALPHA
+        alphas = [prior if a is None else a for a in alphas]
+        rows = len(planned)
+        draft_s = self.draft.predict(rows) or 0.0
+
+        def rate(k: int) -> float:
+            tokens = sum(expected_tokens(a, min(k, p)) for a, p in zip(alphas, planned))
+            return tokens / (self.target.predict(rows * (k + 1)) + k * draft_s)
+
+        best = max(range(k_max + 1), key=rate)
+        if best == k_max:
+            self.capped_steps = 0
+            return k_max
+        self.capped_steps += 1
+        if self.capped_steps >= self.probe_every:
+            self.capped_steps = 0
+            return k_max
+        return best

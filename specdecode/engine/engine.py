@@ -243,16 +243,18 @@ class Engine:
         return list(outputs.values())
 
     def _batch_plan(self, rows: list[_Row], ks: list[int]) -> list[int]:
-        """ks, or 0 for every guarded row when a plain step serves the batch better (engine.cost)."""
+        """ks, with every guarded row's γ capped where fewer drafts serve the batch better (engine.cost)."""
         guarded = [row.policy.guard is not None for row in rows]
         if sum(guarded) < 2 or not any(ks) or any(k for k, g in zip(ks, guarded) if not g):
             return ks  # one row's own guard decides; an unguarded drafting row widens the step anyway
-        expected = sum(row.policy.expected_tokens(k) if k else 1 for row, k in zip(rows, ks))
-        if self.cost.speculate(len(rows), max(ks) + 1, max(ks), expected):
+        alphas = [row.stats.alpha_estimate if row.stats.num_accepted + row.stats.num_rejected else None
+                  for row in rows]
+        cap = self.cost.gamma_cap(ks, alphas)
+        if cap == max(ks):
             return ks
-        for row in rows:
-            row.stats.num_batch_pauses += 1
-        return [0] * len(ks)
+        for row, k in zip(rows, ks):
+            row.stats.num_batch_caps += int(k > cap)
+        return [min(k, cap) for k in ks]
 
     @staticmethod
     def _record(row: _Row, draft: Draft, planned: int, n: int, output: StepOutput, draft_s: float,

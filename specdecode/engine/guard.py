@@ -46,11 +46,6 @@ class SpeculationGuard:
         self.paused_for = 0
         self.num_pauses = 0
 
-    @property
-    def tokens_per_step(self) -> float | None:
-        """The running average of tokens emitted per speculative step (None before the first)."""
-        return self._tokens if self.num_speculative_steps else None
-
     def speculate(self) -> bool:
         """Draft on this step?"""
         if self.paused_for > 0:

@@ -37,12 +37,6 @@ class GammaPolicy:
             k = min(k, max_length - committed - 1)
         return max(k, 0)
 
-    def expected_tokens(self, k: int) -> float:
-        """Tokens a speculative step of up to k drafts is expected to emit: the guard's running
-        average, or k + 1 before there is one (optimistic, so the first steps speculate and measure)."""
-        measured = self.guard.tokens_per_step if self.guard is not None else None
-        return min(measured, k + 1) if measured is not None else k + 1
-
     def record(self, planned: int, drafted: int, accepted: int, draft_forwards: int) -> None:
         """The step's outcome: γ planned, drafts verified, drafts accepted, draft forwards made."""
         if self.adaptive and planned > 0:  # a block cut short by the draft's own doubt counts as a miss

@@ -23,7 +23,7 @@ class GenerationStats:
     lossy: bool = False
     num_lookup_steps: int = 0    # steps whose drafts were copied by prompt lookup
     num_guard_pauses: int = 0    # times the guard paused drafting (engine.guard)
-    num_batch_pauses: int = 0    # steps the batch's cost paused drafting (engine.cost)
+    num_batch_caps: int = 0      # steps whose γ the batch's cost lowered (engine.cost)
 
     def record_step(self, k: int, n: int, emitted: int) -> None:
         """One verify step: k drafted, n accepted, `emitted` tokens of the block returned. A stop
@@ -74,5 +74,5 @@ class GenerationStats:
             "wall_time_s": self.wall_time_s, "time_draft_s": self.time_draft_s,
             "time_target_s": self.time_target_s, "tokens_per_second": self.tokens_per_second,
             "lossy": self.lossy, "num_lookup_steps": self.num_lookup_steps,
-            "num_guard_pauses": self.num_guard_pauses, "num_batch_pauses": self.num_batch_pauses,
+            "num_guard_pauses": self.num_guard_pauses, "num_batch_caps": self.num_batch_caps,
         }
