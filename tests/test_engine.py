@@ -192,15 +192,15 @@ def test_batch_cost_model_caps_gamma_where_the_batch_yields_most_tokens_per_seco
         fit.add(x, 0.01 + 0.002 * x)
     assert fit.predict(20) == pytest.approx(0.05)
     assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(0.0, 8) == 1.0
-    model = BatchCostModel(probe_every=3)
+    model = BatchCostModel(probe_every=3, max_probe_every=6)
     assert model.gamma_cap([8, 8, 8, 8], [None] * 4) == 8  # nothing timed yet: draft and measure
     for tokens, width, seconds in ((36, 9, 0.082), (36, 9, 0.082), (36, 9, 0.082)):
         model.observe_target(tokens, width, seconds)
     assert model.gamma_cap([8] * 4, [0.1] * 4) == 0       # a verify is timed: now time a plain step
     model.observe_target(4, 1, 0.018)                      # T(n) = 0.01 + 0.002 n
     model.observe_draft(8, 4, 0.016)                       # D = 2 ms
-    # a poor draft: plain steps win, but every 3rd capped step drafts as planned (a probe)
-    assert [model.gamma_cap([8] * 4, [0.1] * 4) for _ in range(3)] == [0, 0, 8]
+    # a poor draft: plain steps win; a probe drafts as planned after 3 capped steps, then after 6
+    assert [model.gamma_cap([8] * 4, [0.1] * 4) for _ in range(9)] == [0, 0, 8, 0, 0, 0, 0, 0, 8]
     # otherwise the k with the most tokens per second: rate(k) = 4 E(α, k) / (T(4 (k + 1)) + k D)
     for alpha, best in ((0.99, 8), (0.95, 4), (0.6, 1)):
         rates = {k: 4 * expected_tokens(alpha, k) / (0.018 + 0.008 * k + 0.002 * k) for k in range(9)}

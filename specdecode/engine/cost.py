@@ -14,7 +14,9 @@ mean for a row without one yet); T(n) is the target's forward time for n fed tok
 draft forward's time for r rows, both fitted online to the loop's own measurements (least
 squares on a line, older observations fading). The first steps draft as planned; once a few
 verify steps are timed, one plain step is taken to time that kind too; while capped, one step in
-`probe_every` drafts as planned, so every estimate stays fresh.
+`probe_every` drafts as planned, so every estimate stays fresh; each probe that changes nothing
+doubles that interval (up to `max_probe_every`), since on a big batch a full verify step costs
+several plain ones.
 
 Exactness: γ is chosen before the step's drafts and draws, from past timings and tokens only, so
 each step still samples exactly from p (§2.3). Only guarded rows (greedy and unseeded requests)
@@ -62,14 +64,16 @@ class BatchCostModel:
     batch's γ cap of the module docstring.
 
     Args:
-        probe_every: while capped, draft as planned on one step in this many (>= 1).
+        probe_every: while capped, draft as planned on one step in this many at first (>= 1).
+        max_probe_every: the longest interval between probes.
     """
 
-    def __init__(self, probe_every: int = 16):
+    def __init__(self, probe_every: int = 16, max_probe_every: int = 256):
         self.target = LineFit()   # seconds of a target forward vs tokens fed (padding included)
         self.draft = LineFit()    # seconds of a draft forward vs rows fed
         self.widths: set[int] = set()  # feed widths seen: a plain step is 1, a verify k+1 (as 2)
         self.verify_steps = 0
+        self.min_probe_every, self.max_probe_every = probe_every, max_probe_every
         self.probe_every = probe_every
         self.capped_steps = 0
 
@@ -105,10 +109,11 @@ class BatchCostModel:
 
         best = max(range(k_max + 1), key=rate)
         if best == k_max:
-            self.capped_steps = 0
+            self.capped_steps, self.probe_every = 0, self.min_probe_every
             return k_max
         self.capped_steps += 1
         if self.capped_steps >= self.probe_every:
             self.capped_steps = 0
+            self.probe_every = min(2 * self.probe_every, self.max_probe_every)
             return k_max
         return best
