@@ -60,6 +60,8 @@ def one_request(url: str, prompt: str, max_tokens: int) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"the server failed a request: {chunk['error']['message']}")
             n = len(chunk.get("tokens", []))
             if n:
                 arrivals.append((time.perf_counter(), n))

@@ -11,6 +11,7 @@ the error), empties the caches, and the worker goes on serving.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -18,6 +19,9 @@ from dataclasses import dataclass, field
 
 from specdecode.engine.engine import Engine, StepOutput
 from specdecode.engine.request import Request
+
+
+log = logging.getLogger("specdecode.serve")
 
 
 class QueueFull(Exception):
@@ -118,6 +122,7 @@ class EngineWorker:
             try:
                 outputs = self.engine.step()
             except Exception as err:  # one bad step must not stop the server
+                log.exception("an engine step failed; its %d requests get an error", len(self._handles))
                 self._abort_all(err)
                 continue
             self._deliver(outputs)
