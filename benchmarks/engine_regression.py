@@ -42,7 +42,7 @@ def main():
     configs["new engine, as configured"] = configs.pop("specdecode as configured")
     old_configs = old_build_configs(old, args.new_tokens, specdecode_old.SamplingParams(temperature=0.0), [], [],
                                     headline=True)
-    configs["old loops, as configured"] = old_configs["specdecode as configured"]
+    configs["old loops, as configured"] = old_configs["specdecode_old as configured"]  # the copy renamed its strings too
     timings = bench.run_configs(configs, prompts, repeats=1,
                                 progress=lambda d, t, what: print(f"{d}/{t} {what}", flush=True))
     rows = bench.summarize(timings, {}, ["code"])
