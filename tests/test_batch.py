@@ -13,7 +13,7 @@ from specdecode.engine.driver import run, run_all
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import BONUS, CORRECTED, DecodeConfig, Request
 from specdecode.models import HFCausalLM, TableModel
-from specdecode.proposers import DraftModelProposer
+from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 
 from helpers import chi2_pvalue, single_row_logits, target_sequence_probs, tiny_llama, tiny_mistral
@@ -102,18 +102,24 @@ class NoRollbackTable(TableModel):
         pass
 
 
-def batched_sequence_counts(backend_class, batches=1000, vocab=4, k=3, length=3):
-    """Rows of ragged batches (three prompts, each row its own seed), counted per prompt."""
+def batched_sequence_counts(backend_class, batches=1000, vocab=4, k=3, length=3, lookup=False, stats=None):
+    """Rows of ragged batches (three prompts, each row its own seed), counted per prompt; with
+    lookup, prompt lookup drafts per row and the draft model serves the rows without a match."""
     target = backend_class(vocab, order=2, seed=20, sharpness=1.5)
     draft = backend_class(vocab, order=2, seed=21, sharpness=1.5)
-    prompts = [[1, 2], [3], [0, 2, 1, 3]]
+    prompts = [[1, 2], [3], [0, 2, 1, 3]] if not lookup else [[1, 2, 1, 2], [3, 0, 3], [0, 2, 1, 3, 0, 2]]
     counts = [Counter() for _ in prompts]
     for run_index in range(batches):
         configs = [DecodeConfig(max_new_tokens=length, num_speculative_tokens=k,
                                 sampling=SamplingParams(seed=3 * run_index + i)) for i in range(len(prompts))]
-        results = run_all(target, DraftModelProposer(draft), requests(prompts, configs))
+        proposer = DraftModelProposer(draft)
+        if lookup:
+            proposer = PromptLookupProposer(vocab, fallback=proposer)
+        results = run_all(target, proposer, requests(prompts, configs))
         for i, result in enumerate(results):
             counts[i][tuple(result.token_ids)] += 1
+            if stats is not None:
+                stats.append(result.stats)
     pvalues = []
     for prompt, count in zip(prompts, counts):
         expected = target_sequence_probs(target, prompt, length, SamplingParams())
@@ -126,6 +132,14 @@ def test_batched_loop_matches_target_distribution_chi_square():
     # 1000 ragged batches of 3 rows (k=3, 3 tokens, vocab 4 → 64 sequences per prompt), seeds
     # 0..2999; each prompt's test fails at significance 1e-3.
     assert min(batched_sequence_counts(TableModel)) > 1e-3
+
+
+def test_batched_loop_with_per_row_prompt_lookup_matches_target_distribution_chi_square():
+    # The same test with prompt lookup choosing per row (repetitive prompts: lookup hits) and the
+    # draft model batching the rest; 1000 batches, significance 1e-3 per prompt.
+    stats = []
+    assert min(batched_sequence_counts(TableModel, lookup=True, stats=stats)) > 1e-3
+    assert sum(s.num_lookup_steps for s in stats) > 500 and sum(s.num_draft_calls for s in stats) > 500
 
 
 def test_chi_square_detects_a_batch_that_does_not_roll_back_rejected_drafts():
