@@ -48,7 +48,7 @@ class _Loaded:
 class GenerationStream:
     """Iterate (once) for TokenEvents as tokens are accepted; `.result` is set when it ends.
     Other calls on the same decoder may run meanwhile: their rows share the engine's batch.
-    `close()` (or leaving it unfinished and calling close) aborts the request.
+    `close()` aborts the request if it has not finished.
 
     Raises (while iterating):
         RuntimeError: iterated a second time.
