@@ -171,16 +171,21 @@ def stderr_progress(args):
     return None
 
 
+def decoder_kwargs(args, **extra) -> dict:
+    """SpeculativeDecoder's arguments as the model flags (and `extra`) give them: plain values, so
+    that a Ray worker can build the same decoder in its own process."""
+    return dict(target=args.target, draft=None if args.draft == "none" else args.draft,
+                num_speculative_tokens=args.num_speculative_tokens, draft_confidence=args.draft_confidence,
+                gamma_schedule=args.gamma_schedule, draft_vocab_limit=args.draft_vocab_limit or "auto",
+                prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft, guard=args.guard,
+                dtype=args.dtype, **extra)
+
+
 def build_decoder(args, progress, **extra):
     """The SpeculativeDecoder the model flags describe (and `extra` keyword arguments)."""
     from specdecode import SpeculativeDecoder
 
-    return SpeculativeDecoder(args.target, None if args.draft == "none" else args.draft,
-                              num_speculative_tokens=args.num_speculative_tokens,
-                              draft_confidence=args.draft_confidence, gamma_schedule=args.gamma_schedule,
-                              draft_vocab_limit=args.draft_vocab_limit or "auto",
-                              prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft, guard=args.guard,
-                              dtype=args.dtype, progress=progress, **extra)
+    return SpeculativeDecoder(**decoder_kwargs(args, progress=progress, **extra))
 
 
 def error(err: Exception) -> int:
