@@ -12,20 +12,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 
 import ray
 import ray.data
 
 from specdecode.scale.batch import BatchSummary, Progress, pending
+from specdecode.scale.cluster import connect, use_assigned_cpus
 from specdecode.scale.journal import OutputJournal
 from specdecode.scale.rows import RowDefaults, error_record, parse_line
-
-# A local cluster is for this machine's job only: a small object store (the rows and records are
-# text), no dashboard, and Ray's own progress bars off (the job draws its own).
-LOCAL_OBJECT_STORE_BYTES = 128 << 20
-
 
 class DecoderWorker:
     """A Ray Data callable class: one SpeculativeDecoder per actor, built once in the actor.
@@ -38,14 +33,9 @@ class DecoderWorker:
     """
 
     def __init__(self, decoder_kwargs: dict, defaults: RowDefaults, max_batch_size: int):
-        import torch
-
         from specdecode import SpeculativeDecoder
 
-        # Ray sets OMP_NUM_THREADS to the actor's CPUs; torch reads its own default, so say it here.
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
-        if cpus:
-            torch.set_num_threads(max(1, int(cpus)))
+        use_assigned_cpus()
         self.decoder = SpeculativeDecoder(**decoder_kwargs)
         self.defaults, self.max_batch_size = defaults, max_batch_size
 
@@ -55,19 +45,6 @@ class DecoderWorker:
         rows = [parse_line(str(text), int(line), self.defaults) for line, text in zip(batch["line"], batch["text"])]
         records = decode_rows(self.decoder, rows, self.max_batch_size, self.defaults.raw)
         return {"record": [json.dumps(r, ensure_ascii=False) for r in records]}
-
-
-def _connect(address: str | None, quiet: bool) -> bool:
-    """Connects to the cluster at `address`, or starts a local one (None); True if this call started Ray."""
-    if ray.is_initialized():
-        return False
-    common = dict(log_to_driver=not quiet, logging_level="WARNING", configure_logging=True)
-    if address is None:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                 **common)
-    else:
-        ray.init(address=address, **common)
-    return True
 
 
 def run_batch_on_ray(decoder_kwargs: dict, input_path: str, output_path: str, defaults: RowDefaults = RowDefaults(),
@@ -106,12 +83,12 @@ def run_batch_on_ray(decoder_kwargs: dict, input_path: str, output_path: str, de
             with open(input_path, "rb") as f:
                 lines = f.read().split(b"\n")
             items = [{"line": row.line, "text": lines[row.line - 1].decode("utf-8")} for row in good]
-            started = _connect(address, quiet)
+            started = connect(address, quiet)
             try:
                 if cpus_per_worker is None:
                     cpus_per_worker = max(1.0, ray.cluster_resources().get("CPU", 1) // workers) if started else 1.0
                 context = ray.data.DataContext.get_current()
-                context.enable_progress_bars = False
+                context.enable_progress_bars = False  # the job draws its own
                 dataset = ray.data.from_items(items, override_num_blocks=math.ceil(len(items) / rows_per_task))
                 records = dataset.map_batches(
                     DecoderWorker, fn_constructor_kwargs=dict(decoder_kwargs=decoder_kwargs, defaults=defaults,
