@@ -142,3 +142,32 @@ def test_sigkill_mid_run_then_rerun_gives_every_id_once_and_the_uninterrupted_te
     ids = [r["id"] for r in records]
     assert sorted(ids) == sorted(expected) and len(set(ids)) == len(ids) == 24
     assert {r["id"]: r["text"] for r in records} == expected
+
+
+def _scale_out_commands() -> list[list[str]]:
+    """The `specdecode ...` command lines of README.md's "Scale out" section."""
+    import re
+    import shlex
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8").split("\n## Scale out\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.DOTALL)
+    return [shlex.split(line, comments=True) for block in blocks for line in block.splitlines()
+            if line.startswith("specdecode ")]
+
+
+def test_the_readmes_scale_out_commands_parse_and_its_local_batch_runs_as_written(model_dirs, tmp_path,
+                                                                                   monkeypatch, capsys):
+    from specdecode.cli import build_parser
+
+    commands = _scale_out_commands()
+    assert [argv[1] for argv in commands] == ["batch", "batch", "serve"]
+    for argv in commands:
+        build_parser().parse_args(argv[1:])  # every flag exists (a bad one exits 2)
+    monkeypatch.chdir(ROOT)
+    argv = commands[0]
+    out = tmp_path / "answers.jsonl"
+    argv[argv.index("--output") + 1] = str(out)
+    argv[argv.index("--max-tokens") + 1] = "6"
+    assert main([*argv[1:], *models(model_dirs), "--quiet"]) == 0
+    prompts = [json.loads(line)["prompt"] for line in (ROOT / "examples/prompts.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in read_jsonl(out)) == list(range(1, len(prompts) + 1))
