@@ -62,6 +62,7 @@ def test_one_output_line_per_input_line_bad_lines_as_errors(model_dirs, solo, tm
     assert "chat template" in records['"m"']["error"] and "prompt" in records["8"]["error"]
     err = capsys.readouterr().err
     assert "3 rows done, 4 failed, 0 already in the output" in err and "tokens/s" in err
+    assert "rows 7/7 [" in err and "ETA" in err and "4 failed" in err  # the progress bar (one line per tenth here)
     # a rerun finds everything done and writes nothing
     assert main(["batch", inp, "--output", out, *models(model_dirs), "--temperature", "0", "--quiet"]) == 0
     assert len(read_jsonl(out)) == 7
