@@ -117,26 +117,40 @@ def subprocess_job(dirs, inp, out):
     return [sys.executable, "-m", "specdecode.cli", "batch", inp, "--output", out, *long_job(dirs)], env
 
 
-def test_sigkill_mid_run_then_rerun_gives_every_id_once_and_the_uninterrupted_texts(model_dirs, tmp_path):
-    rows = [{"id": f"r{i}", "prompt": PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS))} for i in range(24)]
-    inp = write_jsonl(tmp_path / "in.jsonl", rows)
-    reference = str(tmp_path / "reference.jsonl")
-    assert main(["batch", inp, "--output", reference, *long_job(model_dirs)]) == 0
-    expected = {r["id"]: r["text"] for r in read_jsonl(reference)}
+SIGKILL_ROWS = [{"id": f"r{i}", "prompt": PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS))} for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(model_dirs, tmp_path_factory):
+    """The input of the kill tests, and id → text of an uninterrupted run of it."""
+    root = tmp_path_factory.mktemp("sigkill")
+    inp, out = write_jsonl(root / "in.jsonl", SIGKILL_ROWS), str(root / "reference.jsonl")
+    assert main(["batch", inp, "--output", out, *long_job(model_dirs)]) == 0
+    expected = {r["id"]: r["text"] for r in read_jsonl(out)}
     assert len(expected) == 24
+    return inp, expected
+
+
+# The goal: no row lost or duplicated in 3 runs out of 3, killed early, midway and late (the
+# README's test command runs the midway one).
+@pytest.mark.parametrize("kill_after", [4, pytest.param(1, marks=pytest.mark.slow),
+                                        pytest.param(16, marks=pytest.mark.slow)])
+def test_sigkill_mid_run_then_rerun_gives_every_id_once_and_the_uninterrupted_texts(model_dirs, uninterrupted,
+                                                                                    tmp_path, kill_after):
+    inp, expected = uninterrupted
     out = tmp_path / "out.jsonl"
     command, env = subprocess_job(model_dirs, inp, str(out))
     proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        if out.exists() and out.read_text().count("\n") >= 4:
+        if out.exists() and out.read_text().count("\n") >= kill_after:
             break
-        time.sleep(0.02)
+        time.sleep(0.01)
     assert proc.poll() is None, f"the job ended before it was killed: {proc.stderr.read()}"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     written = out.read_text().count("\n")
-    assert 4 <= written < 24
+    assert kill_after <= written < 24
     rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     records = read_jsonl(out)

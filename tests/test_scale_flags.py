@@ -22,3 +22,14 @@ def test_bad_scale_out_flags_exit_2_with_one_line(argv, message, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and err.count("error:") == 1
+
+
+@pytest.mark.parametrize("command", [["serve", "--replicas", "2"], ["batch", "IN", "--output", "OUT", "--ray"]])
+def test_a_model_that_cannot_load_fails_before_ray_starts(command, tmp_path, capsys):
+    ray = pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]'")
+    (tmp_path / "in.jsonl").write_text('{"prompt": "abc"}\n')
+    argv = [str(tmp_path / "in.jsonl") if a == "IN" else str(tmp_path / "out.jsonl") if a == "OUT" else a
+            for a in command]
+    assert main([*argv, "--target", str(tmp_path / "missing"), "--quiet"]) == 2
+    assert "does not exist" in capsys.readouterr().err and not ray.is_initialized()
+    assert not (tmp_path / "out.jsonl").exists() or (tmp_path / "out.jsonl").read_text() == ""

@@ -131,6 +131,8 @@ def _run_replicas(args, parser, autoscale) -> int:
     # reservations; the replicas' torch threads share the real cores)
     started = False
     try:
+        if args.ray is None:
+            cluster.check_models(kwargs)
         started = cluster.connect(args.ray, args.quiet, num_cpus=max(os.cpu_count() or 1, int(most * cpus + 0.999)))
         ray_serve.start(ray_serve.deployment(kwargs, name, args.max_queue, args.api_key, plan), args.host, args.port)
     except (ConnectionError, RuntimeError, ValueError) as err:

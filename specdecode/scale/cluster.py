@@ -31,6 +31,22 @@ def connect(address: str | None, quiet: bool, num_cpus: int | None = None) -> bo
     return True
 
 
+def check_models(decoder_kwargs: dict) -> None:
+    """Fails fast, before Ray starts, on a target or draft that cannot load on this machine (for a
+    local cluster, whose workers load them here; Ray would otherwise retry a failing actor).
+
+    Raises:
+        ValueError: as models.loading.check_model_spec.
+    """
+    from specdecode.models import zoo
+    from specdecode.models.loading import check_model_spec
+
+    for key, default in (("target", zoo.DEFAULT_TARGET), ("draft", zoo.DEFAULT_DRAFT)):
+        spec = decoder_kwargs.get(key, "default")
+        if spec is not None:
+            check_model_spec(default if spec == "default" else spec)
+
+
 def use_assigned_cpus() -> None:
     """In a Ray actor: torch's threads = the CPUs Ray assigned it (Ray sets OMP_NUM_THREADS to
     them, but torch may already have read its own default)."""

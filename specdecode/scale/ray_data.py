@@ -18,7 +18,7 @@ import ray
 import ray.data
 
 from specdecode.scale.batch import BatchSummary, Progress, pending
-from specdecode.scale.cluster import connect, use_assigned_cpus
+from specdecode.scale.cluster import check_models, connect, use_assigned_cpus
 from specdecode.scale.journal import OutputJournal
 from specdecode.scale.rows import RowDefaults, error_record, parse_line
 
@@ -64,8 +64,11 @@ def run_batch_on_ray(decoder_kwargs: dict, input_path: str, output_path: str, de
             max_batch_size; a crash redoes at most this many rows per worker.
         on_update: as scale.batch.run_batch.
     Raises:
-        OSError, ValueError: as scale.batch.run_batch (before Ray starts).
+        OSError, ValueError: as scale.batch.run_batch, or (for a local cluster) a model that cannot
+            load here (before Ray starts).
     """
+    if address is None:
+        check_models(decoder_kwargs)
     with OutputJournal(output_path) as journal:
         rows, total = pending(input_path, journal, defaults)
         summary = BatchSummary(rows=total, skipped=total - len(rows), cut_bytes=journal.cut_bytes)
