@@ -3,6 +3,7 @@ dashboard), driven with the official openai client: concurrent requests answered
 process gives, and a replica killed mid-run replaced by Ray Serve."""
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
@@ -48,10 +49,19 @@ def long_dirs(model_dirs, tmp_path_factory):
 
 
 def replica_states() -> dict:
+    """{state: count} of the app's replicas, {} while no Serve controller answers."""
     from ray import serve
+    from ray.serve.context import _disconnect
+    from ray.serve.exceptions import RayServeException
 
-    app = serve.status().applications.get("specdecode")
-    if app is None:
+    # Each test's command starts and removes its own Serve controller: forget the handle this
+    # process cached for the last one, so that status goes to the one running now.
+    _disconnect()
+    try:
+        app = serve.status().applications.get("specdecode")
+    except (RayServeException, ray.exceptions.RayError):
+        return {}
+    if app is None or "SpecdecodeReplica" not in app.deployments:
         return {}
     return dict(app.deployments["SpecdecodeReplica"].replica_states)
 
@@ -71,17 +81,16 @@ def wait_for(condition, timeout_s: float, what: str):
     pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
 
 
-@pytest.fixture(scope="module")
-def replicas(long_dirs):
-    """Two replicas of the tiny pair behind Ray Serve's proxy; yields the base URL."""
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False,
-             logging_level="WARNING")
+@contextlib.contextmanager
+def serve_replicas(dirs, *flags, expect: dict):
+    """`specdecode serve --replicas ...` of the tiny pair on this test's local Ray cluster, started
+    as users start it (a subprocess); yields the base URL once the replica states are `expect`."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "specdecode.cli", "serve", "--target", long_dirs["target"], "--draft", long_dirs["draft"],
+        [sys.executable, "-m", "specdecode.cli", "serve", "--target", dirs["target"], "--draft", dirs["draft"],
          "--dtype", "float32", "--no-guard", "-k", "3", "--served-model-name", "tiny", "--port", str(port),
-         "--replicas", "2", "--ray", ray.get_runtime_context().gcs_address, "--quiet"],
+         "--ray", ray.get_runtime_context().gcs_address, "--quiet", *flags],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -89,11 +98,11 @@ def replicas(long_dirs):
             if proc.poll() is not None:
                 pytest.fail(f"serve exited {proc.returncode}: {proc.stderr.read()}")
             try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200 and replica_states() == {"RUNNING": 2}
+                return httpx.get(url + "/health", timeout=2).status_code == 200 and replica_states() == expect
             except httpx.HTTPError:
                 return False
 
-        wait_for(up, STARTUP_S, "two running replicas")
+        wait_for(up, STARTUP_S, f"replicas {expect}")
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -102,7 +111,23 @@ def replicas(long_dirs):
         finally:
             if proc.poll() is None:
                 proc.kill()
-            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster for this module: 2 CPUs, no dashboard, a small object store."""
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False,
+             logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def replicas(cluster, long_dirs):
+    """Two replicas of the tiny pair behind Ray Serve's proxy; yields the base URL. One test at a
+    time: each deploys its own application, and the command removes it (serve.shutdown) at exit."""
+    with serve_replicas(long_dirs, "--replicas", "2", expect={"RUNNING": 2}) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +191,15 @@ def test_a_replica_killed_mid_run_is_replaced_and_the_server_serves_again(replic
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         texts = list(pool.map(lambda p: complete(replicas, p).choices[0].text, PROMPTS[:4]))
     assert texts == [one_process[p] for p in PROMPTS[:4]]
+
+
+@pytest.mark.slow
+def test_autoscale_starts_at_min_and_adds_a_replica_under_load(cluster, long_dirs, one_process):
+    with serve_replicas(long_dirs, "--replicas", "1", "--autoscale", "1:2", "--max-batch-size", "1",
+                        expect={"RUNNING": 1}) as url:
+        assert complete(url, "abc").choices[0].text == one_process["abc"]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            busy = [pool.submit(complete, url, p, max_tokens=6000, timeout=600) for p in PROMPTS]
+            wait_for(lambda: replica_states() == {"RUNNING": 2}, 240, "a second replica under load")
+            for future in busy:
+                future.result()

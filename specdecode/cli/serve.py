@@ -127,13 +127,23 @@ def _run_replicas(args, parser, autoscale) -> int:
                               max_batch_size=args.max_batch_size, autoscale=autoscale)
     name = args.served_model_name or args.target
     kwargs = decoder_kwargs(args, max_batch_size=args.max_batch_size)
-    # a local cluster gets room for every replica, whatever the machine's cores (Ray's CPUs are
-    # reservations; the replicas' torch threads share the real cores)
+    # A signal during the start is kept and acted on once the replicas are up (they are then
+    # removed). Set again after ray.init, which installs its own crash handlers.
+    stopping = threading.Event()
+
+    def catch_signals():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda signum, frame: stopping.set())
+
+    catch_signals()
     started = False
     try:
         if args.ray is None:
             cluster.check_models(kwargs)
+        # a local cluster gets room for every replica, whatever the machine's cores (Ray's CPUs
+        # are reservations; the replicas' torch threads share the real cores)
         started = cluster.connect(args.ray, args.quiet, num_cpus=max(os.cpu_count() or 1, int(most * cpus + 0.999)))
+        catch_signals()
         ray_serve.start(ray_serve.deployment(kwargs, name, args.max_queue, args.api_key, plan), args.host, args.port)
     except (ConnectionError, RuntimeError, ValueError) as err:
         if started:
@@ -145,9 +155,6 @@ def _run_replicas(args, parser, autoscale) -> int:
         print(f"specdecode: serving {name!r} on http://{args.host}:{args.port} as {args.replicas} Ray Serve "
               f"replica(s){f' (autoscaling {autoscale[0]}..{autoscale[1]})' if autoscale else ''}; "
               "Ctrl-C stops them", file=sys.stderr, flush=True)
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())
-    signal.signal(signal.SIGINT, lambda signum, frame: stopping.set())
     while not stopping.wait(1):
         pass
     ray_serve.stop()
