@@ -79,7 +79,7 @@ def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None 
 
     check_model_spec(spec)
     if spec in zoo.ZOO:
-        model, tokenizer = zoo.load_zoo_model(spec, dtype, progress, device_map, offload_folder)
+        model, tokenizer = zoo.load_zoo_model(spec, dtype, progress, **placement(device_map, offload_folder))
         return model, tokenizer, spec
     if progress:
         progress(f"loading {spec}")
