@@ -76,6 +76,35 @@ def test_a_row_that_joins_mid_flight_equals_its_solo_run():
     assert first_result.token_ids == solo(target, draft, PROMPTS[0], MIXED[1]).token_ids
 
 
+class FeedLog(HFCausalLM):
+    """Records the widest feed of every batched forward."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.widths = []
+
+    def forward(self, feeds, num_logits):
+        self.widths.append((len(feeds), max(len(f) for f in feeds)))
+        return super().forward(feeds, num_logits)
+
+
+def test_a_row_joining_others_reads_its_prompt_alone_and_no_feed_is_padded_to_it():
+    # Reading a long prompt inside the batched forward would pad every other row's feed to its
+    # length (B × L token reads); joining rows read it in a forward of their own instead.
+    target, draft = FeedLog(tiny_llama(0)), FeedLog(tiny_llama(1, layers=1))
+    long_prompt = list(range(3, 43))
+    engine = Engine(target, DraftModelProposer(draft))
+    driver = Driver(engine)
+    first = driver.submit(Request([5, 17, 33, 2], config(20, k=3)))
+    driver.step()
+    late = [driver.submit(Request(long_prompt, config(12, k=3))), driver.submit(Request([9, 9, 41], config(12)))]
+    results = [driver.result(i) for i in [first, *late]]
+    batched = [w for b, w in target.widths + draft.widths if b > 1]
+    assert batched and max(batched) <= 4  # a verify of k = 3 drafts, never the 40-token prompt
+    for prompt, got in zip([[5, 17, 33, 2], long_prompt, [9, 9, 41]], results):
+        assert got.token_ids == run(target, None, prompt, config(len(got.token_ids))).token_ids
+
+
 def test_an_aborted_row_frees_its_slot_and_changes_no_other_row():
     target, draft = tables()
     engine = Engine(target, DraftModelProposer(draft), max_batch_size=2)

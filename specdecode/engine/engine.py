@@ -16,8 +16,9 @@ draws from its own generator in the same order and number as alone, its γ plan 
 only at its own tokens, and its stops are its own. (With a neural model, a batch changes float
 rounding slightly — padded shapes — as any batched inference does; table models are exact.)
 
-A request joining the batch reads its prompt in its first step's forward (the other rows' feeds
-are padded to the prompt's length in that one call).
+A request that runs alone reads its prompt in its first step's forward (prefill and first verify
+in one call); one that joins other rows reads it in a forward of its own when it is admitted, so
+no other row's feed is padded to the prompt's length.
 """
 
 from __future__ import annotations
@@ -275,13 +276,22 @@ class Engine:
         output.stats = stats.snapshot()
 
     def _admit(self) -> None:
-        while self.waiting and (self.capacity is None or len(self.running) < self.capacity):
-            request_id, request = self.waiting.popleft()
-            encoder_input = request.encoder_input_ids
-            self.target.add_row(encoder_input)
+        joining = []
+        while self.waiting and (self.capacity is None or len(self.running) + len(joining) < self.capacity):
+            joining.append(self.waiting.popleft())
+        # A row alone reads its prompt with its first step's forward (prefill and verify in one
+        # call); a row joining others reads all but its prompt's last token now, on its own,
+        # so that no other row's feed is padded to its prompt's length.
+        alone = not self.running and len(joining) == 1
+        for request_id, request in joining:
+            encoder_input, prompt = request.encoder_input_ids, list(request.prompt_ids)
+            self.target.add_row(encoder_input, prefix_ids=() if alone else prompt[:-1])
             if self.proposer is not None:
-                self.proposer.add_row(request.prompt_ids, encoder_input)
-            self.running.append(_Row(request_id, request, self.tokenizer, self.proposer is not None, self.device))
+                self.proposer.add_row(prompt, encoder_input)
+            row = _Row(request_id, request, self.tokenizer, self.proposer is not None, self.device)
+            if not alone:
+                row.pending = prompt[-1:]
+            self.running.append(row)
 
     def _leave(self, rows: list[_Row], outputs: dict[int, StepOutput] | None = None) -> None:
         """Finished or aborted rows leave the batch: their cache rows go, so later steps cost less."""

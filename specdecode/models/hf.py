@@ -102,14 +102,18 @@ class HFCausalLM:
 
     def reset(self) -> None:
         """Drop every row."""
-        self.cache = self._cache_class(config=self.model.config)
-        # Sliding-window layers drop states past the window unless told to keep them, and then a
-        # rollback past the window would be impossible.
-        for layer in getattr(self.cache, "layers", []):
-            if hasattr(layer, "activate_past_recording"):
-                layer.activate_past_recording()
+        self.cache = self._new_cache()
         self.valid = torch.zeros((0, 0), dtype=torch.bool, device=self.device)
         self._lengths = torch.zeros(0, dtype=torch.long, device=self.device)
+
+    def _new_cache(self):
+        cache = self._cache_class(config=self.model.config)
+        # Sliding-window layers drop states past the window unless told to keep them, and then a
+        # rollback past the window would be impossible.
+        for layer in getattr(cache, "layers", []):
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+        return cache
 
     @property
     def num_rows(self) -> int:
@@ -124,8 +128,8 @@ class HFCausalLM:
     def num_slots(self) -> int:
         return self.valid.shape[1]
 
-    def add_row(self, encoder_input_ids=None) -> None:
-        """Append an empty row (a request joins the batch).
+    def add_row(self, encoder_input_ids=None, prefix_ids=()) -> None:
+        """Append a row (a request joins the batch) holding prefix_ids, read alone (`fill`).
 
         Raises:
             ValueError: encoder_input_ids given (this is a decoder-only model), or a second row
@@ -145,6 +149,51 @@ class HFCausalLM:
             for name in ("keys", "values"):
                 states = getattr(layer, name)
                 setattr(layer, name, torch.cat([states, states.new_zeros((1, *states.shape[1:]))]))
+        if prefix_ids:
+            self.fill(self.num_rows - 1, prefix_ids)
+
+    @torch.inference_mode()
+    def fill(self, row: int, ids) -> None:
+        """Give the empty row `row` the tokens ids, read in a forward of its own.
+
+        Their keys and values go right-aligned into the row's slots (every row gets that many
+        invalid slots more on the left if ids are longer than the cache). Reading them with the
+        next batched forward instead would pad every other row's feed to their length: with B
+        rows a 150-token prompt would cost B × 150 token reads, not 150.
+
+        Raises:
+            ValueError: the row already holds tokens.
+        """
+        if int(self._lengths[row]) != 0:
+            raise ValueError(f"row {row} holds {int(self._lengths[row])} tokens; only an empty row can be filled")
+        n = len(ids)
+        if n == 0:
+            return
+        read = self._read_alone([int(t) for t in ids])
+        grow = max(0, n - self.num_slots)
+        width = self.num_slots + grow
+        self.valid = torch.nn.functional.pad(self.valid, (grow, 0), value=False)
+        self.valid[row, width - n:] = True
+        self._lengths[row] = n
+        for layer, new in zip(self.cache.layers, read):
+            empty = getattr(layer, "keys", None) is None or layer.keys.numel() == 0
+            for name, states_read in zip(("keys", "values"), new):
+                if empty:  # nothing read before: every row gets `width` invalid slots
+                    states = states_read.new_zeros((self.num_rows, states_read.shape[1], width, states_read.shape[3]))
+                else:
+                    states = torch.nn.functional.pad(getattr(layer, name), (0, 0, grow, 0))
+                states[row, :, width - n:] = states_read[0]
+                setattr(layer, name, states)
+            if empty:
+                layer.is_initialized, layer.device = True, self.device
+
+    @torch.inference_mode()
+    def _read_alone(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (keys, values) [1, H, len(ids), D] for ids read from position 0."""
+        cache = self._new_cache()
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
+        self.model.get_decoder()(input_ids=tokens, cache=cache, use_cache=True)
+        return [(layer.keys, layer.values) for layer in cache.layers]
 
     @torch.inference_mode()
     def forward(self, feeds: list[list[int]], num_logits: int) -> torch.Tensor:

@@ -51,10 +51,17 @@ class TableModel:
     def reset(self) -> None:
         self.rows = []
 
-    def add_row(self, encoder_input_ids=None) -> None:
+    def add_row(self, encoder_input_ids=None, prefix_ids=()) -> None:
         if encoder_input_ids is not None:
             raise ValueError("a table model takes no encoder input")
         self.rows.append([])
+        self.fill(len(self.rows) - 1, prefix_ids)
+
+    def fill(self, row: int, ids) -> None:
+        """Give the empty row `row` the tokens ids."""
+        if self.rows[row]:
+            raise ValueError(f"row {row} holds {len(self.rows[row])} tokens; only an empty row can be filled")
+        self.rows[row] = [int(t) for t in ids]
 
     def forward(self, feeds: list[list[int]], num_logits: int) -> torch.Tensor:
         """Append feeds[b] to row b; [B, num_logits, V]: row b's logits right-aligned, 0 elsewhere."""

@@ -25,7 +25,8 @@ class DraftModelProposer:
     Each row's cache holds its committed prefix minus the `pending` tokens it has not been fed yet
     (at first the whole prompt; later the target's last token and, after a fully accepted block,
     the last draft); they go in with the row's first forward of the next proposal, so prefill and
-    rollback cost no extra call. A row that drafts less than the others (or nothing: prompt
+    rollback cost no extra call. In a batch, a row's first proposal reads its prompt alone
+    (`fill`) instead: padding every other row's feed to a prompt's length would cost B times more. A row that drafts less than the others (or nothing: prompt
     lookup had a proposal, the guard paused it) feeds nothing at the later positions, and its
     committed tokens queue up as pending.
 
@@ -71,6 +72,13 @@ class DraftModelProposer:
             ks = [min(k, backend.max_length - (n + len(s.pending)) + 1)
                   for k, n, s in zip(ks, backend.lengths, states)]
         lengths = backend.lengths
+        if len(rows) > 1:
+            # A row that drafts for the first time reads its prompt alone (all but the last
+            # token, which goes with the batched forward), not padded into every other row's feed.
+            for b, (k, n, state) in enumerate(zip(ks, lengths, states)):
+                if k > 0 and n == 0 and len(state.pending) > 1:
+                    backend.fill(b, [self._feedable(t) for t in state.pending[:-1]])
+                    lengths[b], state.pending = len(state.pending) - 1, state.pending[-1:]
         tokens: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         forwards = [0] * len(rows)
