@@ -260,3 +260,22 @@ def test_the_batch_guard_keeps_drafting_when_verifying_is_as_cheap_as_a_plain_st
     batch = run_all(target, DraftModelProposer(same), [Request(p, _guarded()) for p in prompts], batch_guard=True)
     # one plain step times that kind of step; after it, drafting always pays here
     assert all(r.stats.num_batch_caps <= 1 and r.stats.mean_tokens_per_call > 4 for r in batch)
+
+
+def test_a_guard_whose_costs_were_measured_under_a_load_spike_recovers_from_the_loops_own_timings():
+    # c measured at start-up during a spike: 5 target calls per draft forward, where a draft forward
+    # really costs 1/20 of a target call and the draft is the target itself (every draft accepted).
+    # With the start-up c alone the guard would pause drafting for the whole run (issue 13 item 4).
+    target = TimedTable(8, seed=0, sharpness=1.0, fixed=0.01)
+    draft = TimedTable(8, seed=0, sharpness=1.0, fixed=0.0005)
+    cfg = config(120, k=4, costs=(5.0, 0.0))
+    [got] = run_all(target, DraftModelProposer(draft), [Request([1, 2, 3], cfg)], batch_guard=True)
+    # one pause (16 plain steps) times a plain step; every step after it drafts: 120 tokens in ~40
+    # calls, where a guard stuck on the start-up c pauses after every probe (~1.4 tokens per call)
+    assert got.stats.num_guard_pauses == 1 and got.stats.mean_tokens_per_call > 2.5
+    assert got.token_ids == run(target, None, [1, 2, 3], cfg).token_ids
+    # and a guard whose start-up c was right still pauses a draft that does not pay
+    slow_draft = TimedTable(8, seed=7, sharpness=4.0, fixed=0.008)
+    [paused] = run_all(target, DraftModelProposer(slow_draft), [Request([1, 2, 3], config(60, k=4, costs=(0.8, 0.0)))],
+                       batch_guard=True)
+    assert paused.stats.num_guard_pauses >= 2

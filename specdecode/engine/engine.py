@@ -89,15 +89,19 @@ def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch
         config: the row's sampling and lenience.  generator: the row's.
     """
     k = len(drafts)
-    if k > 0 and config.sampling.greedy and config.lenience < 1:
-        # lenience must see the target's untempered distribution, not the one-hot (paper A.5)
+    if config.sampling.greedy:
+        # Greedy verification compares argmaxes; at lenience 1 it is the sampling rule on one-hot
+        # p and q, without building [k+1, V] one-hots. Lenience must see the target's
+        # untempered distribution, not the one-hot (paper A.5).
+        if k == 0:
+            return 0, int(logits[0].argmax())
         n, token = greedy_lenient_step(drafts[None], logits[None], config.lenience)
         return int(n), int(token)
     p = adjust(logits, config.sampling)
     if k > 0:
         n, token = speculative_step(drafts[None], draft_probs[None], p[None], generator, config.lenience)
         return int(n), int(token)
-    return 0, int(p[0].argmax()) if config.sampling.greedy else int(sample(p[0], generator))
+    return 0, int(sample(p[0], generator))
 
 
 def synchronize(device: torch.device) -> None:
@@ -115,10 +119,12 @@ class Engine:
         tokenizer: for text and stop strings; None decodes ids only (text is "").
         max_batch_size: the most rows running at once (None: as many as the backends take);
             further requests wait in order.
-        batch_guard: with two or more guarded rows (requests with guard costs), pause their
-            drafting on steps where the loop's own timings say a plain step yields more tokens
-            per second for the batch (engine.cost). Greedy output is unchanged (exactness holds
-            step by step); which steps draft then depends on the batch, so the statistics do.
+        batch_guard: time the loop's own steps (engine.cost) and use the timings: every guarded
+            row's guard (requests with guard costs) gets its c and slope from them once they are
+            known, and with two or more guarded rows their drafting pauses on steps where a plain
+            step yields more tokens per second for the batch. Greedy output is unchanged
+            (exactness holds step by step); which steps draft then depends on the batch and the
+            machine, so the statistics do.
     Raises:
         ValueError: max_batch_size < 1.
     """
@@ -218,6 +224,7 @@ class Engine:
             fed = max(len(f) for f in feeds)  # every row is padded to the widest feed
             self.cost.observe_target(len(rows) * fed, fed, t2 - t1)
             self.cost.observe_draft(max(d.forwards for d in drafts), sum(k > 0 for k in ks), t1 - t0)
+            self._refresh_guards(rows)
         # 4 accept and 5 commit, row by row with each row's generator
         accepted, new_tokens = [], []
         for b, (row, draft, ids) in enumerate(zip(rows, drafts, draft_ids)):
@@ -256,6 +263,14 @@ class Engine:
         for row, k in zip(rows, ks):
             row.stats.num_batch_caps += int(k > cap)
         return [min(k, cap) for k in ks]
+
+    def _refresh_guards(self, rows: list[_Row]) -> None:
+        """Keep each guard's c and slope at what the loop measures now (engine.guard)."""
+        for row in rows:
+            guard = row.policy.guard
+            costs = self.cost.guard_costs(len(rows), row.policy.k_max) if guard is not None else None
+            if costs is not None:
+                guard.set_costs(*costs)
 
     @staticmethod
     def _record(row: _Row, draft: Draft, planned: int, n: int, output: StepOutput, draft_s: float,
