@@ -58,11 +58,14 @@ class Server:
     """`specdecode serve ...` in a subprocess; stop() sends SIGTERM and returns the exit status."""
 
     def __init__(self, dirs, *extra):
+        """dirs: {"target", "draft"} model folders, or None for the default pair."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        draft = [] if "--draft" in extra else ["--draft", dirs["draft"]]
+        models = [] if dirs is None else ["--target", dirs["target"]]
+        if dirs is not None and "--draft" not in extra:
+            models += ["--draft", dirs["draft"]]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "specdecode.cli", "serve", "--target", dirs["target"], *draft, "--dtype", "float32",
+            [sys.executable, "-m", "specdecode.cli", "serve", *models, "--dtype", "float32",
              "--port", str(self.port), "--served-model-name", "tiny", "--quiet", "--no-guard", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + STARTUP_S
@@ -443,3 +446,22 @@ def test_sigterm_with_queued_work_ends_every_request_cleanly(chat_model_dirs):
             frames = future.result(timeout=60)
             assert frames[-1] == "data: [DONE]"
     assert server.stop() == 0
+
+
+@pytest.mark.real_model
+def test_the_default_pair_serves_speculative_greedy_equal_to_plain_greedy():
+    # One server with the default pair in float32; a request with num_speculative_tokens = 0 is
+    # plain decoding on the same target, so the two texts must agree token for token.
+    s = Server(None, "--max-batch-size", "2")
+    try:
+        prompt = "def fibonacci(n):\n"
+        spec = complete(s, prompt, max_tokens=32)
+        plain = complete(s, prompt, max_tokens=32, extra_body={"num_speculative_tokens": 0})
+        assert spec.choices[0].text == plain.choices[0].text and spec.usage.completion_tokens == 32
+        assert spec.model_extra["speculation"]["num_accepted"] > 0
+        assert plain.model_extra["speculation"]["num_drafted"] == 0
+        question = "Write a Python function that reverses a string."
+        spec_chat, plain_chat = chat(s, question), chat(s, question, extra_body={"num_speculative_tokens": 0})
+        assert spec_chat.choices[0].message.content == plain_chat.choices[0].message.content != ""
+    finally:
+        assert s.stop() == 0
