@@ -213,6 +213,12 @@ def summarize(timings: dict, costs: dict, tasks: list[str]) -> list[dict]:
             row["accepted_over_drafted"] = sum(s.num_accepted for s in st) / sum(s.num_drafted for s in st)
             row["tokens_per_call"] = sum(s.num_generated for s in st) / sum(s.num_target_calls for s in st)
             row["draft_share_of_time"] = sum(s.time_draft_s for s in st) / sum(s.wall_time_s for s in st)
+            # The ceiling of this configuration (issue 13): Eq. 1 at its α̂ and γ_max with a free
+            # draft (c → 0), over the measured cost of verifying γ_max drafts, r(γ_max + 1).
+            gamma_max = len(st[0].accepted_per_position)
+            r_full = costs.get("r", {}).get(gamma_max + 1)
+            if gamma_max and r_full:
+                row["limit_c0"] = expected_tokens(min(row["alpha_hat"], 0.999999), gamma_max) / r_full
         if st:  # where the time goes inside the loop (the first target call also reads the prompt)
             wall = sum(s.wall_time_s for s in st)
             row["target_call_ms"] = 1000 * sum(s.time_target_s for s in st) / sum(s.num_target_calls for s in st)
@@ -306,12 +312,16 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
                         f"{r['draft_share_of_time']:.0%}" if "draft_share_of_time" in r else "–",
                         fmt(r.get("target_call_ms"), 0), fmt(r.get("draft_forward_ms"), 0),
                         f"{r['other_share_of_time']:.0%}" if "other_share_of_time" in r else "–",
+                        f"{fmt(r['limit_c0'])}x" if "limit_c0" in r else "–",
                         f"{r['same_tokens_as_hf']}/{len(prompts)}"])
     body += markdown_table(["configuration", "tokens/s"] + [f"speedup ({t})" for t in speed_cols]
                            + (["vs our plain"] if has_plain else [])
                            + ["α̂", "tokens/call", "Eq. 1", "Thm 3.8", "Thm 3.8 with r", "draft share",
-                              "target call (ms)", "draft forward (ms)", "other share",
+                              "target call (ms)", "draft forward (ms)", "other share", "limit (c → 0)",
                               "same tokens as target alone"], table)
+    body += ["", "Limit (c → 0): Eq. 1 at the row's α̂ and γ_max with a free draft, divided by the measured "
+                 "r(γ_max + 1); the gap to it is the draft's time (draft share), dynamic γ stopping short, and "
+                 "the loop's own time (other share)."]
     if best:
         body += ["", f"Theory from the sweep's pooled α̂ = {best['alpha_pooled']:.3f} and c = {best['c']:.3f}: "
                      f"optimal γ = {best['optimal_gamma']} ({best['optimal_speedup']:.2f}x); with the measured r(k): "
