@@ -117,13 +117,20 @@ class SpeculativeDecoder:
         dtype: "bfloat16" (default), "float32" or "float16" for models loaded by name.
         device: None (where a model given as an object already is, else "cpu"), "cpu", "cuda",
             "cuda:N" or "mps". Models are moved there (a model given as an object too).
+        device_map: a target too big for one device: passed to transformers' from_pretrained
+            ("auto", "balanced", "sequential" or a {module name: device} dict; accelerate places the
+            layers on GPUs, the CPU, or offloads them), for a target loaded by name or path. The
+            draft then goes to the device of the target's input embeddings (its first device),
+            and logits are gathered there. None (default): the whole target on `device`.
+        offload_folder: with a device_map that puts layers on "disk": where accelerate keeps them.
         max_batch_size: the most requests decoded together (None: no limit; generate's
             batch_size can lower it per call).
         progress: called with one-line messages while models are assembled and loaded.
     Raises:
         ValueError: unknown model, tokenizers that differ, an encoder–decoder model paired with a
             decoder-only one, draft_vocab_limit on an encoder–decoder draft, γ < 1, unknown dtype,
-            a device that is not available, quantize_draft off the CPU or on a float64 draft.
+            a device that is not available, quantize_draft off the CPU or on a float64 draft,
+            device_map with `device` or with a target given as a loaded model.
         FileNotFoundError: the default pair's part packages are not installed.
     """
 
@@ -132,7 +139,8 @@ class SpeculativeDecoder:
                  draft_vocab_limit: int | str | None = "auto", prompt_lookup: bool | None = None,
                  quantize_draft: bool | str | None = None, gamma_schedule: str = DEFAULT_GAMMA_SCHEDULE,
                  guard: bool = True, guard_costs: tuple[float, float] | None = None, dtype=None, device=None,
-                 max_batch_size: int | None = None, progress: Callable[[str], None] | None = None):
+                 device_map=None, offload_folder: str | None = None, max_batch_size: int | None = None,
+                 progress: Callable[[str], None] | None = None):
         if not _is_int(num_speculative_tokens) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
         if isinstance(draft_confidence, bool) or not isinstance(draft_confidence, (int, float)) \
@@ -154,10 +162,13 @@ class SpeculativeDecoder:
         self.gamma_schedule = gamma_schedule
         self.prompt_lookup = (draft is not None) if prompt_lookup is None else prompt_lookup
         self.dtype = parse_dtype(dtype)
-        self.device = parse_device(device, target)
-        if self.device.type != "cpu" and quantize_draft not in (None, False, "none"):
-            raise ValueError(f"quantize_draft={quantize_draft!r}: the int8/int4 draft kernels run on the CPU only; "
-                             f"on {self.device} pass quantize_draft=None or 'none'")
+        if device_map is not None and (device is not None or isinstance(target, torch.nn.Module)):
+            raise ValueError("device_map places a target loaded by name or path; give it without device= and "
+                             "with the target as a name or path")
+        self.device_map = device_map
+        self.device = parse_device(device, target)  # with a device_map: set again once the target is placed
+        if device_map is None:
+            self._check_quantize_device(quantize_draft)
         target = zoo.DEFAULT_TARGET if target == "default" else target
         draft = zoo.DEFAULT_DRAFT if draft == "default" else draft
         if draft_vocab_limit == "auto":
@@ -165,7 +176,10 @@ class SpeculativeDecoder:
         for spec in (target, draft):  # both checked before either is loaded
             if spec is not None:
                 check_model_spec(spec)
-        self.target = self._load(target, tokenizer, progress)
+        self.target = self._load(target, tokenizer, progress, device_map=device_map, offload_folder=offload_folder)
+        if device_map is not None:
+            self.device = self.target.backend.device  # the draft runs where the target's tokens go in
+            self._check_quantize_device(quantize_draft)
         self.tokenizer = self.target.tokenizer
         self.is_encoder_decoder = isinstance(self.target.backend, Seq2SeqLM)
         self.draft = None
@@ -185,6 +199,11 @@ class SpeculativeDecoder:
         self.engine = Engine(self.target.backend, self._proposer(), self.tokenizer, max_batch_size,
                              batch_guard=self.guard_costs is not None)
         self._driver = Driver(self.engine)
+
+    def _check_quantize_device(self, quantize_draft) -> None:
+        if self.device.type != "cpu" and quantize_draft not in (None, False, "none"):
+            raise ValueError(f"quantize_draft={quantize_draft!r}: the int8/int4 draft kernels run on the CPU only; "
+                             f"on {self.device} pass quantize_draft=None or 'none'")
 
     def _check_pair(self) -> None:
         if self.is_encoder_decoder != isinstance(self.draft.backend, Seq2SeqLM):
@@ -212,8 +231,10 @@ class SpeculativeDecoder:
                               encoder_input_ids=encoder_input)
         return costs["c"], max(costs["r"][gamma + 1] - 1, 0.0) / gamma
 
-    def _load(self, spec, tokenizer, progress, vocab_limit=None, quantization: bool | str | None = False) -> _Loaded:
-        """quantization: as SpeculativeDecoder's quantize_draft (False for a target)."""
+    def _load(self, spec, tokenizer, progress, vocab_limit=None, quantization: bool | str | None = False,
+              device_map=None, offload_folder=None) -> _Loaded:
+        """quantization: as SpeculativeDecoder's quantize_draft (False for a target); device_map and
+        offload_folder: as SpeculativeDecoder's (the target's only)."""
         given = isinstance(spec, torch.nn.Module)
         asked = quantization not in (None, False, "none")
         if quantization is True or (quantization is None and not given and self.device.type == "cpu"):
@@ -225,7 +246,7 @@ class SpeculativeDecoder:
             seq2seq = getattr(spec.config, "is_encoder_decoder", False)
             model, tok, name = (copy.deepcopy(spec) if bits and not seq2seq else spec), tokenizer, type(spec).__name__
         else:
-            model, tok, name = load_model(spec, self.dtype, progress)
+            model, tok, name = load_model(spec, self.dtype, progress, device_map, offload_folder)
             seq2seq = getattr(model.config, "is_encoder_decoder", False)
         if bits and seq2seq:
             if asked:
@@ -233,7 +254,7 @@ class SpeculativeDecoder:
             bits = None
         if bits:
             prepare_draft_cached(model, bits, None if given else spec, progress)
-        if next(model.parameters()).device != self.device:
+        if device_map is None and next(model.parameters()).device != self.device:
             model.to(self.device)
         return _Loaded(self._backend(model, vocab_limit), tok, name)
 

@@ -1,6 +1,6 @@
 """The `specdecode` command: parses, builds dataclasses, calls the library, prints.
 
-One module per command (generate, alpha, bench, serve), each with `add_parser(sub)` and `run(args, parser)`;
+One module per command (generate, alpha, bench, serve, batch), each with `add_parser(sub)` and `run(args, parser)`;
 `common` holds the shared model and speed flags, prompt reading, progress and the decoder.
 """
 
@@ -10,9 +10,9 @@ import argparse
 import os
 import sys
 
-from specdecode.cli import alpha, bench, generate, serve
+from specdecode.cli import alpha, batch, bench, generate, serve
 
-COMMANDS = {"generate": generate, "alpha": alpha, "bench": bench, "serve": serve}
+COMMANDS = {"generate": generate, "alpha": alpha, "bench": bench, "serve": serve, "batch": batch}
 
 
 def build_parser() -> argparse.ArgumentParser:

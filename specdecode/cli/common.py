@@ -60,6 +60,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                         help="weights and activations dtype; bfloat16 (default) is fastest on CPU, float32 for "
                              "bit-exact comparisons")
+    parser.add_argument("--device-map", default=None, choices=["auto", "balanced", "balanced_low_0", "sequential"],
+                        help="spread a target too big for one device over the GPUs (and the CPU) with transformers' "
+                             "device_map; the draft runs on the target's first device (default: off)")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress messages, progress bars or summary on stderr (errors still print)")
 
@@ -171,16 +174,21 @@ def stderr_progress(args):
     return None
 
 
+def decoder_kwargs(args, **extra) -> dict:
+    """SpeculativeDecoder's arguments as the model flags (and `extra`) give them: plain values, so
+    that a Ray worker can build the same decoder in its own process."""
+    return dict(target=args.target, draft=None if args.draft == "none" else args.draft,
+                num_speculative_tokens=args.num_speculative_tokens, draft_confidence=args.draft_confidence,
+                gamma_schedule=args.gamma_schedule, draft_vocab_limit=args.draft_vocab_limit or "auto",
+                prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft, guard=args.guard,
+                dtype=args.dtype, device_map=args.device_map, **extra)
+
+
 def build_decoder(args, progress, **extra):
     """The SpeculativeDecoder the model flags describe (and `extra` keyword arguments)."""
     from specdecode import SpeculativeDecoder
 
-    return SpeculativeDecoder(args.target, None if args.draft == "none" else args.draft,
-                              num_speculative_tokens=args.num_speculative_tokens,
-                              draft_confidence=args.draft_confidence, gamma_schedule=args.gamma_schedule,
-                              draft_vocab_limit=args.draft_vocab_limit or "auto",
-                              prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft, guard=args.guard,
-                              dtype=args.dtype, progress=progress, **extra)
+    return SpeculativeDecoder(**decoder_kwargs(args, progress=progress, **extra))
 
 
 def error(err: Exception) -> int:

@@ -27,6 +27,19 @@ def add_parser(sub) -> None:
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model id clients send (default: the --target value)")
+    serve.add_argument("--replicas", type=int, default=None, metavar="N",
+                       help="run the server as N Ray Serve replicas (one process and decoder each) behind Ray "
+                            "Serve's HTTP proxy on --host/--port; Ray restarts a replica that dies. Needs the [ray] "
+                            "extra (default: one process, no Ray)")
+    serve.add_argument("--ray", default=None, metavar="ADDRESS",
+                       help="with --replicas: the Ray cluster to deploy on (e.g. auto or HOST:6379); default: start "
+                            "a local one on this machine")
+    serve.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                       help="with --replicas: let Ray Serve's autoscaler keep between MIN and MAX replicas, aiming at "
+                            "--max-batch-size requests in flight per replica (--replicas is the number it starts with)")
+    serve.add_argument("--cpus-per-replica", type=float, default=None,
+                       help="with --replicas: CPUs each replica reserves, and its torch threads (default: a local "
+                            "cluster's CPUs / the most replicas, at least 1; 1 on a cluster given with --ray)")
 
 
 def run(args, parser: argparse.ArgumentParser) -> int:
@@ -41,6 +54,9 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         from specdecode.serve.app import create_app
     except ImportError as err:
         parser.error(f"serve needs the [serve] extra: pip install -e '.[serve]' ({err})")
+    autoscale = _check_replica_flags(args, parser)
+    if args.replicas is not None:
+        return _run_replicas(args, parser, autoscale)
     progress = stderr_progress(args)
     try:
         decoder = build_decoder(args, progress, max_batch_size=args.max_batch_size)
@@ -67,4 +83,85 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     server.run()
     if progress:
         print("specdecode: server stopped", file=sys.stderr)
+    return 0
+
+
+def _check_replica_flags(args, parser) -> tuple[int, int] | None:
+    """--replicas, --ray, --autoscale and --cpus-per-replica; returns --autoscale as (MIN, MAX)."""
+    if args.replicas is None:
+        for flag, value in (("--ray", args.ray), ("--autoscale", args.autoscale),
+                            ("--cpus-per-replica", args.cpus_per_replica)):
+            if value is not None:
+                parser.error(f"{flag} needs --replicas N")
+        return None
+    if args.replicas < 1:
+        parser.error(f"--replicas must be >= 1, got {args.replicas}")
+    if args.cpus_per_replica is not None and args.cpus_per_replica <= 0:
+        parser.error(f"--cpus-per-replica must be > 0, got {args.cpus_per_replica}")
+    if args.autoscale is None:
+        return None
+    low, _, high = args.autoscale.partition(":")
+    try:
+        low, high = int(low), int(high)
+    except ValueError:
+        parser.error(f"--autoscale takes MIN:MAX, two integers, got {args.autoscale!r}")
+    if not 0 <= low <= high or high < 1:
+        parser.error(f"--autoscale MIN:MAX needs 0 <= MIN <= MAX and MAX >= 1, got {args.autoscale!r}")
+    return low, high
+
+
+def _run_replicas(args, parser, autoscale) -> int:
+    """The server as Ray Serve replicas; runs until SIGINT or SIGTERM, then removes them."""
+    import os
+    import threading
+
+    try:
+        from specdecode.scale import cluster, ray_serve
+    except ImportError as err:
+        parser.error(f"--replicas needs the [ray] extra: pip install -e '.[ray]' ({err})")
+    from specdecode.cli.common import decoder_kwargs
+
+    most = autoscale[1] if autoscale else args.replicas
+    cpus = args.cpus_per_replica or (max(1, (os.cpu_count() or 1) // most) if args.ray is None else 1)
+    plan = ray_serve.Replicas(replicas=args.replicas, cpus=cpus, max_ongoing=args.max_batch_size + args.max_queue,
+                              max_batch_size=args.max_batch_size, autoscale=autoscale)
+    name = args.served_model_name or args.target
+    kwargs = decoder_kwargs(args, max_batch_size=args.max_batch_size)
+    # A signal during the start is kept and acted on once the replicas are up (they are then
+    # removed). Set again after ray.init, which installs its own crash handlers.
+    stopping = threading.Event()
+
+    def catch_signals():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda signum, frame: stopping.set())
+
+    catch_signals()
+    started = False
+    try:
+        if args.ray is None:
+            cluster.check_models(kwargs)
+        # a local cluster gets room for every replica, whatever the machine's cores (Ray's CPUs
+        # are reservations; the replicas' torch threads share the real cores)
+        started = cluster.connect(args.ray, args.quiet, num_cpus=max(os.cpu_count() or 1, int(most * cpus + 0.999)))
+        catch_signals()
+        ray_serve.start(ray_serve.deployment(kwargs, name, args.max_queue, args.api_key, plan), args.host, args.port)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        if started:
+            import ray
+
+            ray.shutdown()
+        return error(err)
+    if not args.quiet:
+        print(f"specdecode: serving {name!r} on http://{args.host}:{args.port} as {args.replicas} Ray Serve "
+              f"replica(s){f' (autoscaling {autoscale[0]}..{autoscale[1]})' if autoscale else ''}; "
+              "Ctrl-C stops them", file=sys.stderr, flush=True)
+    while not stopping.wait(1):
+        pass
+    ray_serve.stop()
+    if started:
+        import ray
+
+        ray.shutdown()
+    if not args.quiet:
+        print("specdecode: replicas stopped", file=sys.stderr)
     return 0

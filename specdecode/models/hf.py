@@ -80,7 +80,8 @@ class HFCausalLM:
         num_embeddings: ids below this can be fed; the engine feeds a placeholder for others.
         max_length: the context window in tokens per row (max_position_embeddings), or None.
         max_rows: 1 for sliding-window models, else None (no limit).
-        device: where the model's parameters are; every tensor it makes goes there.
+        device: where the input embeddings are (the first device of a model spread over several
+            with a device_map); every tensor it makes goes there, the logits too.
     Raises:
         ValueError: vocab_limit on a model whose LM head is not a plain linear layer.
     """
@@ -96,7 +97,7 @@ class HFCausalLM:
         self.max_length = getattr(model.config, "max_position_embeddings", None)
         self.sliding = has_sliding_window(model)
         self.max_rows = 1 if self.sliding else None
-        self.device = next(model.parameters()).device
+        self.device = model.get_input_embeddings().weight.device
         self.compact_min_dead, self.compact_ratio = compact_min_dead, compact_ratio
         self.reset()
 
@@ -230,7 +231,7 @@ class HFCausalLM:
                                 use_cache=True, logits_to_keep=num_logits).logits
         self.valid = valid
         self._lengths = self._lengths + new_valid.sum(1)
-        return logits.float()
+        return logits.float().to(self.device)  # no-op unless a device_map put the head elsewhere
 
     def _mask(self, valid: torch.Tensor, width: int) -> torch.Tensor:
         """[B, 1, T, S] additive float mask: 0 where the query may look, dtype-min elsewhere."""

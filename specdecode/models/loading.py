@@ -60,9 +60,12 @@ def check_model_spec(spec) -> None:
             "directory saved with save_pretrained.")
 
 
-def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None = None):
+def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None = None, device_map=None,
+               offload_folder: str | None = None):
     """A zoo name, a local directory or a hub id → (model, tokenizer, name). A config with
     is_encoder_decoder (T5, BART, ...) loads through AutoModelForSeq2SeqLM, others as causal LMs.
+    device_map and offload_folder, if not None, go to transformers' from_pretrained (accelerate
+    places the layers; "disk" entries of a device_map are offloaded to offload_folder).
 
     Raises:
         ValueError: the model cannot be found or loaded here (the message says what to do).
@@ -76,18 +79,24 @@ def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None 
 
     check_model_spec(spec)
     if spec in zoo.ZOO:
-        model, tokenizer = zoo.load_zoo_model(spec, dtype, progress)
+        model, tokenizer = zoo.load_zoo_model(spec, dtype, progress, device_map, offload_folder)
         return model, tokenizer, spec
     if progress:
         progress(f"loading {spec}")
     try:
         seq2seq = getattr(AutoConfig.from_pretrained(spec), "is_encoder_decoder", False)
         auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
-        model = auto.from_pretrained(spec, dtype=dtype)
+        model = auto.from_pretrained(spec, dtype=dtype, **placement(device_map, offload_folder))
         tokenizer = AutoTokenizer.from_pretrained(spec)
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot load model {spec!r}: {type(err).__name__}: {str(err).splitlines()[0]}") from None
     return model.eval(), tokenizer, spec
+
+
+def placement(device_map, offload_folder: str | None) -> dict:
+    """from_pretrained's placement arguments that were given."""
+    return {key: value for key, value in (("device_map", device_map), ("offload_folder", offload_folder))
+            if value is not None}
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:

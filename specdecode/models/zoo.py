@@ -139,8 +139,11 @@ def weights_cache(name: str, dtype: torch.dtype) -> Path:
     return cache_dir() / "safetensors" / f"{name}-{_dtype_name(dtype)}"
 
 
-def load_zoo_model(name: str, dtype: torch.dtype, progress: ProgressFn | None = None):
-    """Load a zoo model and its tokenizer, from the safetensors cache when present.
+def load_zoo_model(name: str, dtype: torch.dtype, progress: ProgressFn | None = None, device_map=None,
+                   offload_folder: str | None = None):
+    """Load a zoo model and its tokenizer, from the safetensors cache when present. device_map and
+    offload_folder (transformers' from_pretrained arguments) place it from the cache (built first
+    if missing).
 
     Returns:
         (model, tokenizer): a transformers causal LM in eval mode and its tokenizer.
@@ -154,10 +157,17 @@ def load_zoo_model(name: str, dtype: torch.dtype, progress: ProgressFn | None = 
     if (cached / "config.json").exists() and (cached / "tokenizer_config.json").exists():
         if progress:
             progress(f"loading {name} ({_dtype_name(dtype)}) from cache")
-        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+        placement = {key: value for key, value in (("device_map", device_map), ("offload_folder", offload_folder))
+                     if value is not None}
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, **placement)
         tokenizer = AutoTokenizer.from_pretrained(cached)
         model.generation_config.eos_token_id = list(model_info.eos_token_ids)
         return model.eval(), tokenizer
+    if device_map is not None:  # GGUF loading does not place: build the cache, then load it placed
+        load_zoo_model(name, dtype, progress)
+        if (cached / "config.json").exists():
+            return load_zoo_model(name, dtype, progress, device_map, offload_folder)
+        raise ValueError(f"device_map needs {name}'s weight cache in {cached}, which could not be written")
     gguf = assemble_gguf(model_info, progress)
     if progress:
         progress(f"loading {name} from GGUF (dequantizing to {_dtype_name(dtype)}, first run only)")

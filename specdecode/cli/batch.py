@@ -1,0 +1,150 @@
+"""`specdecode batch`: decode a JSONL dataset to a JSONL output, resumable; on Ray Data with --ray."""
+
+from __future__ import annotations
+
+import sys
+
+from specdecode.cli.common import add_model_flags, build_decoder, check_model_flags, error, stderr_progress
+from specdecode.scale.rows import RowDefaults
+
+
+def add_parser(sub) -> None:
+    batch = sub.add_parser(
+        "batch", help="decode a JSONL dataset to a JSONL output (resumable; on Ray Data with --ray)",
+        description="Decode every line of INPUT (a JSON object with \"prompt\" or \"messages\", and optionally "
+                    "\"id\" (default: the line number), \"max_tokens\", \"temperature\", \"top_p\", \"seed\", "
+                    "\"stop\"; other fields are ignored) to one line of OUTPUT with id, text, finish_reason, "
+                    "usage and speculation stats, or {id, error} for a bad line. Rows go through the engine "
+                    "as a continuous batch. Each line is written and flushed as its row finishes: run the same "
+                    "command again after a crash and it skips the ids already written and redoes a half-written "
+                    "last line.")
+    batch.add_argument("input", help="the input JSONL file")
+    batch.add_argument("--output", required=True, metavar="OUT.jsonl",
+                       help="the output JSONL file; appended to, and the ids already there are skipped")
+    add_model_flags(batch)
+    batch.add_argument("--max-batch-size", type=int, default=8,
+                       help="the most rows decoded together; the next joins as one finishes (default: 8)")
+    batch.add_argument("--max-tokens", type=int, default=256,
+                       help="most new tokens for a row without \"max_tokens\" (default: 256)")
+    batch.add_argument("--temperature", type=float, default=1.0,
+                       help="for rows without \"temperature\"; 0 = greedy (default: 1.0)")
+    batch.add_argument("--top-p", type=float, default=1.0, help="for rows without \"top_p\" (default: 1.0, off)")
+    batch.add_argument("--seed", type=int, default=None,
+                       help="for rows without \"seed\": each row gets its own generator from it, so a row's "
+                            "output does not depend on the others (default: none)")
+    batch.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                       help="for rows without \"stop\": stop when this text appears; repeatable")
+    batch.add_argument("--raw", action="store_true",
+                       help="send \"prompt\" strings as raw text; by default an instruct model's chat template is "
+                            "applied (\"messages\" always go through it)")
+    batch.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                       help="run on Ray Data: ADDRESS of a running cluster (e.g. ray://head:10001 or auto), or no "
+                            "value to start a local one; needs the [ray] extra")
+    batch.add_argument("--workers", type=int, default=1,
+                       help="with --ray: the decoder actors (one decoder each) (default: 1)")
+    batch.add_argument("--cpus-per-worker", type=float, default=None,
+                       help="with --ray: CPUs each actor reserves, and its torch threads (default: a local "
+                            "cluster's CPUs / --workers, else 1)")
+    batch.add_argument("--rows-per-task", type=int, default=32,
+                       help="with --ray: the rows one actor call decodes as one continuous batch; a crash redoes "
+                            "at most this many rows per worker (default: 32)")
+
+
+def run(args, parser) -> int:
+    check_model_flags(args, parser)
+    for flag, value in (("--max-batch-size", args.max_batch_size), ("--max-tokens", args.max_tokens),
+                        ("--workers", args.workers), ("--rows-per-task", args.rows_per_task)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    if args.temperature < 0:
+        parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.seed is not None and args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
+    if args.cpus_per_worker is not None and args.cpus_per_worker <= 0:
+        parser.error(f"--cpus-per-worker must be > 0, got {args.cpus_per_worker}")
+    if any(not s for s in args.stop):
+        parser.error("--stop takes non-empty text")
+    if args.ray is None and (args.workers != 1 or args.cpus_per_worker is not None):
+        parser.error("--workers and --cpus-per-worker need --ray")
+    defaults = RowDefaults(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                           seed=args.seed, stop=tuple(args.stop), raw=args.raw)
+    progress = stderr_progress(args)
+    bar = None if args.quiet else ProgressBar()
+    try:
+        if args.ray is not None:
+            summary = _run_ray(args, parser, defaults, bar)
+        else:
+            from specdecode.scale.batch import run_batch
+
+            decoder = build_decoder(args, progress, max_batch_size=args.max_batch_size)
+            summary = run_batch(decoder, args.input, args.output, defaults, args.max_batch_size, bar)
+    except (ValueError, OSError, ImportError) as err:
+        return error(err)
+    finally:
+        if bar is not None:
+            bar.close()
+    if not args.quiet:
+        if summary.cut_bytes:
+            print(f"specdecode: {args.output} ended in a half-written line ({summary.cut_bytes} bytes); "
+                  "it was removed and its row done again", file=sys.stderr)
+        print(f"specdecode: {summary.line()}", file=sys.stderr)
+    return 0
+
+
+def _run_ray(args, parser, defaults, bar):
+    try:
+        from specdecode.scale import ray_data
+    except ImportError as err:
+        parser.error(f"--ray needs the [ray] extra: pip install -e '.[ray]' ({err})")
+    from specdecode.cli.common import decoder_kwargs
+
+    return ray_data.run_batch_on_ray(
+        decoder_kwargs(args, max_batch_size=args.max_batch_size), args.input, args.output, defaults,
+        address=None if args.ray == "local" else args.ray, workers=args.workers,
+        cpus_per_worker=args.cpus_per_worker, rows_per_task=args.rows_per_task,
+        max_batch_size=args.max_batch_size, on_update=bar, quiet=args.quiet)
+
+
+class ProgressBar:
+    """Rows done, tokens/s and ETA on stderr: one line redrawn on a terminal, else a line per tenth."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.drawn = False
+        self.last_tenth = -1
+
+    def __call__(self, summary, todo: int) -> None:
+        finished = summary.done + summary.failed
+        tenth = finished * 10 // max(todo, 1)
+        if not self.tty and tenth == self.last_tenth and finished < todo:
+            return
+        self.last_tenth = tenth
+        rate = summary.tokens_per_second
+        eta = summary.wall_time_s / finished * (todo - finished) if finished else float("nan")
+        width = 24
+        filled = width * finished // max(todo, 1)
+        line = (f"rows {finished}/{todo} [{'=' * filled}{' ' * (width - filled)}] {rate:.1f} tokens/s, "
+                f"ETA {_duration(eta)}" + (f", {summary.failed} failed" if summary.failed else ""))
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+            self.drawn = True
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.drawn = False
+
+
+def _duration(seconds: float) -> str:
+    if seconds != seconds:  # NaN: nothing finished yet
+        return "?"
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+

@@ -1,0 +1,185 @@
+"""A batch job on one decoder: read the input JSONL, skip the ids the output already holds, decode
+the rest through the engine as one continuous batch, and append each row's record as it finishes.
+
+The same `decode_rows` serves a Ray Data worker (specdecode.scale.ray_data), so a row's output
+does not depend on where it ran.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from specdecode.engine.driver import Driver
+from specdecode.engine.request import Request
+from specdecode.sampling import SamplingParams
+from specdecode.scale.journal import OutputJournal
+from specdecode.scale.rows import Row, RowDefaults, error_record, parse_line, result_record, row_key
+
+
+def read_rows(path: str, defaults: RowDefaults) -> list[Row]:
+    """Every non-blank line of the input JSONL, parsed (bad lines as rows with .error).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: two lines with the same id (resuming could not tell them apart), or no rows.
+    """
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    rows, seen = [], {}
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            rows.append(Row(number, number, error=f"line {number}: not UTF-8"))
+        else:
+            rows.append(parse_line(text, number, defaults))
+        key = row_key(rows[-1].id)
+        if key in seen:
+            raise ValueError(f"{path}:{number}: id {rows[-1].id!r} is also on line {seen[key]}; ids must be unique "
+                             "(the output is matched to the input by id)")
+        seen[key] = number
+    if not rows:
+        raise ValueError(f"{path} holds no rows")
+    return rows
+
+
+def build_request(decoder, row: Row, raw: bool) -> Request:
+    """The engine request of a good row on this decoder (a SpeculativeDecoder).
+
+    Raises:
+        ValueError, TypeError: the decoder refuses it (empty or too long prompt, no chat template
+            for messages, sampling values out of range).
+    """
+    sampling = SamplingParams(temperature=row.temperature, top_p=row.top_p, seed=row.seed)
+    config = decoder.config(row.max_tokens, sampling, list(row.stop))
+    if row.messages is not None:
+        if decoder.is_encoder_decoder or not getattr(decoder.tokenizer, "chat_template", None):
+            raise ValueError('"messages" needs a target with a chat template; give "prompt" instead')
+        ids = decoder.tokenizer.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False)
+        return decoder.request(list(ids["input_ids"] if isinstance(ids, dict) else ids), config)
+    return decoder.request(row.prompt, config, chat=False if raw else None)
+
+
+def decode_rows(decoder, rows: Iterable[Row], max_batch_size: int, raw: bool = False,
+                on_record: Callable[[dict], None] = lambda record: None) -> list[dict]:
+    """Decodes the rows through the decoder's engine, at most max_batch_size at once (the next joins
+    as one finishes), calling on_record with each row's output record as soon as it is final
+    (error records at once). Returns the records in the order they were made."""
+    driver = Driver(decoder.engine)
+    waiting, active, records = deque(rows), {}, []
+
+    def emit(record: dict) -> None:
+        records.append(record)
+        on_record(record)
+
+    while waiting or active:
+        while waiting and len(active) < max_batch_size:
+            row = waiting.popleft()
+            if row.error is not None:
+                emit(error_record(row))
+                continue
+            try:
+                request = build_request(decoder, row, raw)
+            except (ValueError, TypeError) as err:
+                emit(error_record(Row(row.id, row.line, error=f"line {row.line}: {err}")))
+                continue
+            prompt = request.encoder_input_ids if request.encoder_input_ids is not None else request.prompt_ids
+            active[driver.submit(request)] = (row, len(prompt))
+        if not active:
+            continue
+        driver.step()
+        for request_id in [r for r in active if r in driver.results]:
+            row, prompt_tokens = active.pop(request_id)
+            emit(result_record(row, driver.results.pop(request_id), prompt_tokens))
+    return records
+
+
+@dataclass
+class BatchSummary:
+    """What a job did. rows: in the input; skipped: already in the output before this run;
+    done, failed: rows written by this run (results, error records); tokens: completion tokens."""
+
+    rows: int = 0
+    skipped: int = 0
+    done: int = 0
+    failed: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    wall_time_s: float = 0.0
+    cut_bytes: int = 0
+
+    def add(self, record: dict) -> None:
+        if "error" in record:
+            self.failed += 1
+            return
+        self.done += 1
+        self.tokens += record["usage"]["completion_tokens"]
+        self.drafted += record["speculation"]["num_drafted"]
+        self.accepted += record["speculation"]["num_accepted"]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else math.nan
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.wall_time_s if self.wall_time_s else 0.0
+
+    def line(self) -> str:
+        acceptance = f"{self.acceptance_rate:.3f}" if self.drafted else "n/a"
+        return (f"{self.done} rows done, {self.failed} failed, {self.skipped} already in the output; "
+                f"{self.tokens} tokens in {self.wall_time_s:.1f} s ({self.tokens_per_second:.2f} tokens/s), "
+                f"acceptance rate {acceptance}")
+
+
+class Progress:
+    """Counts finished records against the rows to do; `on_update(summary, todo)` after each."""
+
+    def __init__(self, summary: BatchSummary, todo: int, on_update=None):
+        self.summary, self.todo, self.on_update = summary, todo, on_update
+        self.start = time.perf_counter()
+
+    def __call__(self, record: dict) -> None:
+        self.summary.add(record)
+        self.summary.wall_time_s = time.perf_counter() - self.start
+        if self.on_update is not None:
+            self.on_update(self.summary, self.todo)
+
+
+def pending(input_path: str, journal: OutputJournal, defaults: RowDefaults) -> tuple[list[Row], int]:
+    """The input's rows whose ids the output does not hold yet, and the number of input rows."""
+    rows = read_rows(input_path, defaults)
+    return [row for row in rows if row_key(row.id) not in journal.done], len(rows)
+
+
+def run_batch(decoder, input_path: str, output_path: str, defaults: RowDefaults = RowDefaults(),
+              max_batch_size: int = 8, on_update=None) -> BatchSummary:
+    """Runs (or resumes) a job on one decoder; returns its summary.
+
+    Args:
+        decoder: a SpeculativeDecoder.  input_path, output_path: JSONL files (rows.py, journal.py).
+        defaults: the fields a row leaves out.  max_batch_size: rows decoded together (>= 1).
+        on_update: called with (BatchSummary, rows to do in this run) after each row is written.
+    Raises:
+        OSError, ValueError: as read_rows and OutputJournal (before any row is decoded).
+    """
+    with OutputJournal(output_path) as journal:
+        rows, total = pending(input_path, journal, defaults)
+        summary = BatchSummary(rows=total, skipped=total - len(rows), cut_bytes=journal.cut_bytes)
+        progress = Progress(summary, len(rows), on_update)
+
+        def write(record: dict) -> None:
+            journal.append(record)
+            progress(record)
+
+        decode_rows(decoder, rows, max_batch_size, defaults.raw, write)
+        summary.wall_time_s = time.perf_counter() - progress.start
+    return summary

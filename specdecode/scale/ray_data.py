@@ -1,0 +1,108 @@
+"""`specdecode batch --ray`: the same job on Ray Data. The input's pending rows become a Ray dataset;
+`map_batches` runs them through a pool of actors, each holding one SpeculativeDecoder and decoding
+its batches with scale.batch.decode_rows (so a row's record is what the local run writes); this
+process appends each record to the output as it arrives, so resuming works as for the local run.
+
+Nothing is shared between workers but the input rows and the records: N workers decode N disjoint
+slices of the dataset, so throughput scales with the actors a cluster can place (each needs a
+decoder's memory and its CPUs), until the one writer (this process) or the input read bounds it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import ray
+import ray.data
+
+from specdecode.scale.batch import BatchSummary, Progress, pending
+from specdecode.scale.cluster import check_models, connect, use_assigned_cpus
+from specdecode.scale.journal import OutputJournal
+from specdecode.scale.rows import RowDefaults, error_record, parse_line
+
+class DecoderWorker:
+    """A Ray Data callable class: one SpeculativeDecoder per actor, built once in the actor.
+
+    Args:
+        decoder_kwargs: SpeculativeDecoder's arguments (plain values).  defaults: RowDefaults.
+        max_batch_size: rows decoded together.
+    Call: a batch {"line": int array, "text": str array} of input lines → {"record": JSON strings},
+        one per line (results and error records).
+    """
+
+    def __init__(self, decoder_kwargs: dict, defaults: RowDefaults, max_batch_size: int):
+        from specdecode import SpeculativeDecoder
+
+        use_assigned_cpus()
+        self.decoder = SpeculativeDecoder(**decoder_kwargs)
+        self.defaults, self.max_batch_size = defaults, max_batch_size
+
+    def __call__(self, batch: dict) -> dict:
+        from specdecode.scale.batch import decode_rows
+
+        rows = [parse_line(str(text), int(line), self.defaults) for line, text in zip(batch["line"], batch["text"])]
+        records = decode_rows(self.decoder, rows, self.max_batch_size, self.defaults.raw)
+        return {"record": [json.dumps(r, ensure_ascii=False) for r in records]}
+
+
+def run_batch_on_ray(decoder_kwargs: dict, input_path: str, output_path: str, defaults: RowDefaults = RowDefaults(),
+                     *, address: str | None = None, workers: int = 1, cpus_per_worker: float | None = None,
+                     rows_per_task: int = 32, max_batch_size: int = 8, on_update=None,
+                     quiet: bool = False) -> BatchSummary:
+    """Runs (or resumes) a batch job on Ray Data; returns its summary.
+
+    Args:
+        decoder_kwargs: SpeculativeDecoder's arguments; every actor builds its own decoder from them
+            (the models must be loadable on every node: installed extras, or local paths there).
+        address: a running cluster ("auto", "ray://host:10001", ...), or None to start a local one
+            (shut down at the end) with this machine's CPUs.
+        workers: actors, one decoder each.  cpus_per_worker: CPUs each reserves (and its torch
+            threads); None: the cluster's CPUs / workers for a local cluster, else 1.
+        rows_per_task: input rows per actor call, decoded as one continuous batch of up to
+            max_batch_size; a crash redoes at most this many rows per worker.
+        on_update: as scale.batch.run_batch.
+    Raises:
+        OSError, ValueError: as scale.batch.run_batch, or (for a local cluster) a model that cannot
+            load here (before Ray starts).
+    """
+    if address is None:
+        check_models(decoder_kwargs)
+    with OutputJournal(output_path) as journal:
+        rows, total = pending(input_path, journal, defaults)
+        summary = BatchSummary(rows=total, skipped=total - len(rows), cut_bytes=journal.cut_bytes)
+        progress = Progress(summary, len(rows), on_update)
+
+        def write(record: dict) -> None:
+            journal.append(record)
+            progress(record)
+
+        for row in rows:  # bad lines need no decoder
+            if row.error is not None:
+                write(error_record(row))
+        good = [row for row in rows if row.error is None]
+        if good:
+            with open(input_path, "rb") as f:
+                lines = f.read().split(b"\n")
+            items = [{"line": row.line, "text": lines[row.line - 1].decode("utf-8")} for row in good]
+            started = connect(address, quiet)
+            try:
+                if cpus_per_worker is None:
+                    cpus_per_worker = max(1.0, ray.cluster_resources().get("CPU", 1) // workers) if started else 1.0
+                context = ray.data.DataContext.get_current()
+                context.enable_progress_bars = False  # the job draws its own
+                dataset = ray.data.from_items(items, override_num_blocks=math.ceil(len(items) / rows_per_task))
+                records = dataset.map_batches(
+                    DecoderWorker, fn_constructor_kwargs=dict(decoder_kwargs=decoder_kwargs, defaults=defaults,
+                                                              max_batch_size=max_batch_size),
+                    batch_size=rows_per_task, compute=ray.data.ActorPoolStrategy(size=workers),
+                    num_cpus=cpus_per_worker, batch_format="numpy")
+                for batch in records.iter_batches(batch_size=None, batch_format="numpy"):
+                    for text in batch["record"]:
+                        write(json.loads(str(text)))
+            finally:
+                if started:
+                    ray.shutdown()
+        summary.wall_time_s = time.perf_counter() - progress.start
+    return summary
