@@ -36,7 +36,7 @@ from specdecode.engine.request import (ACCEPTED, BONUS, CORRECTED, TARGET, Decod
 from specdecode.engine.stats import GenerationStats
 from specdecode.proposers.base import Draft, no_draft
 from specdecode.sampling import SamplingParams, adjust, make_generator, sample
-from specdecode.verify import greedy_lenient_step, speculative_step
+from specdecode.verify import block_step, greedy_lenient_step, speculative_step
 
 
 @dataclass
@@ -85,7 +85,7 @@ def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch
     Args:
         drafts: [k] int64.  draft_probs: [k, V_draft] q (None when k = 0).
         logits: [k+1, V] the target's raw logits after the pending tokens and each draft.
-        config: the row's sampling and lenience.  generator: the row's.
+        config: the row's sampling, lenience and verification rule.  generator: the row's.
     """
     k = len(drafts)
     if k > 0 and config.sampling.greedy and config.lenience < 1:
@@ -94,7 +94,10 @@ def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch
         return int(n), int(token)
     p = adjust(logits, config.sampling)
     if k > 0:
-        n, token = speculative_step(drafts[None], draft_probs[None], p[None], generator, config.lenience)
+        # Under greedy decoding (one-hot p and q) the block rule is the token-wise rule exactly
+        # (tests/test_block_verify.py), and the token-wise one is cheaper.
+        rule = block_step if config.verification == "block" and not config.sampling.greedy else speculative_step
+        n, token = rule(drafts[None], draft_probs[None], p[None], generator, config.lenience)
         return int(n), int(token)
     return 0, int(p[0].argmax()) if config.sampling.greedy else int(sample(p[0], generator))
 
