@@ -12,7 +12,7 @@ import torch
 
 from specdecode.engine.driver import Driver
 from specdecode.engine.engine import Engine
-from specdecode.engine.request import DecodeConfig, GenerationResult, Request, TokenEvent
+from specdecode.engine.request import VERIFICATIONS, DecodeConfig, GenerationResult, Request, TokenEvent
 from specdecode.measure.timing import measure_costs
 from specdecode.models import HFCausalLM, Seq2SeqLM, zoo
 from specdecode.models.loading import (check_model_spec, check_same_tokenizer, eos_token_ids, load_model,
@@ -31,6 +31,8 @@ DEFAULT_GAMMA = 8
 DEFAULT_DRAFT_CONFIDENCE = 0.4
 DEFAULT_GAMMA_SCHEDULE = "fixed"
 DEFAULT_DRAFT_QUANTIZATION = "int4"
+# Token-wise verification until block verification is measured to pay on the default pair.
+DEFAULT_VERIFICATION = "token"
 QUANTIZATIONS = {"int8": 8, "int4": 4, "none": None}  # quantize_draft's kinds → bits
 
 
@@ -105,6 +107,10 @@ class SpeculativeDecoder:
         gamma_schedule: "fixed" drafts up to γ every step; "adaptive" starts at 4, adds 2 after a
             fully accepted block and drops 1 otherwise, within [1, γ] (transformers' "heuristic"
             schedule). Exact either way (the choice looks only at the past).
+        verification: "token" (default) verifies drafts one by one (paper §2.3); "block" verifies
+            each drafted block jointly (Sun et al. 2024, specdecode.verify.block_step): exact too,
+            never fewer accepted drafts in expectation, the same output under greedy decoding.
+            Lenience < 1 (lossy) needs "token".
         guard: pause drafting while the request's acceptances say it does not pay (Cor. 3.9's
             α > c checked at run time, specdecode.engine.guard), probing again every 16 steps;
             and, with two or more such requests running, pause them on steps where the loop's
@@ -123,6 +129,7 @@ class SpeculativeDecoder:
     Raises:
         ValueError: unknown model, tokenizers that differ, an encoder–decoder model paired with a
             decoder-only one, draft_vocab_limit on an encoder–decoder draft, γ < 1, unknown dtype,
+            an unknown verification,
             a device that is not available, quantize_draft off the CPU or on a float64 draft.
         FileNotFoundError: the default pair's part packages are not installed.
     """
@@ -131,7 +138,7 @@ class SpeculativeDecoder:
                  num_speculative_tokens: int = DEFAULT_GAMMA, draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
                  draft_vocab_limit: int | str | None = "auto", prompt_lookup: bool | None = None,
                  quantize_draft: bool | str | None = None, gamma_schedule: str = DEFAULT_GAMMA_SCHEDULE,
-                 guard: bool = True, guard_costs: tuple[float, float] | None = None, dtype=None, device=None,
+                 verification: str = DEFAULT_VERIFICATION, guard: bool = True, guard_costs: tuple[float, float] | None = None, dtype=None, device=None,
                  max_batch_size: int | None = None, progress: Callable[[str], None] | None = None):
         if not _is_int(num_speculative_tokens) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
@@ -140,6 +147,8 @@ class SpeculativeDecoder:
             raise ValueError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
         if gamma_schedule not in ("fixed", "adaptive"):
             raise ValueError(f"gamma_schedule must be 'fixed' or 'adaptive', got {gamma_schedule!r}")
+        if verification not in VERIFICATIONS:
+            raise ValueError(f"verification must be one of {', '.join(map(repr, VERIFICATIONS))}, got {verification!r}")
         if guard_costs is not None and (len(guard_costs) != 2 or not all(x >= 0 for x in guard_costs)):
             raise ValueError(f"guard_costs must be two numbers >= 0 (c, slope), got {guard_costs!r}")
         if not (quantize_draft is None or isinstance(quantize_draft, bool) or quantize_draft in QUANTIZATIONS):
@@ -152,6 +161,7 @@ class SpeculativeDecoder:
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_confidence = draft_confidence
         self.gamma_schedule = gamma_schedule
+        self.verification = verification
         self.prompt_lookup = (draft is not None) if prompt_lookup is None else prompt_lookup
         self.dtype = parse_dtype(dtype)
         self.device = parse_device(device, target)
@@ -260,7 +270,8 @@ class SpeculativeDecoder:
 
         Raises:
             TypeError: an argument of the wrong type (named).
-            ValueError: max_new_tokens < 1, an empty stop string, lenience outside (0, 1].
+            ValueError: max_new_tokens < 1, an empty stop string, lenience outside (0, 1], lenience
+                < 1 on a decoder with verification="block".
         """
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -278,6 +289,9 @@ class SpeculativeDecoder:
             raise ValueError("stop strings must be non-empty")
         if isinstance(lenience, bool) or not isinstance(lenience, (int, float)) or not 0 < lenience <= 1:
             raise ValueError(f"lenience must be a number in (0, 1] (1 = exact; below 1 is lossy), got {lenience!r}")
+        if lenience != 1 and self.verification == "block":
+            raise ValueError(f"lenience {lenience} (lossy) needs verification='token'; this decoder verifies "
+                             "blocks, which is exact only")
         # A seeded sampled request must give the same output alone, in a batch and in another
         # process (which measures its own c): the guard stays out of it. Exact greedy output
         # does not depend on when drafting pauses (up to bf16 near-ties); lenient greedy does
@@ -286,7 +300,8 @@ class SpeculativeDecoder:
         return DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling,
                             num_speculative_tokens=self.num_speculative_tokens, eos_token_ids=self.eos_token_ids,
                             stop=tuple(stops), lenience=float(lenience),
-                            costs=self.guard_costs if guarded else None, gamma_schedule=self.gamma_schedule)
+                            costs=self.guard_costs if guarded else None, gamma_schedule=self.gamma_schedule,
+                            verification=self.verification)
 
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
         """A string (chat template applied per `chat`) or token ids → validated token ids. For an
@@ -375,7 +390,8 @@ class SpeculativeDecoder:
         Raises:
             ValueError: bad prompt (any prompt of a batch, before anything is generated),
                 max_new_tokens < 1, empty stop string, batch_size not None or >= 1, stream=True
-                with a list, lenience outside (0, 1], a list of sampling of the wrong length.
+                with a list, lenience outside (0, 1] (or < 1 with verification="block"), a list
+                of sampling of the wrong length.
             TypeError: an argument of the wrong type (named).
         """
         if batch_size is not None and (not _is_int(batch_size) or batch_size < 1):

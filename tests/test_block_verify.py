@@ -286,3 +286,48 @@ def test_decode_config_refuses_lenience_with_block_and_unknown_rules():
         DecodeConfig(max_new_tokens=4, sampling=SamplingParams(), lenience=0.5, verification="block")
     with pytest.raises(ValueError, match="verification"):
         DecodeConfig(max_new_tokens=4, sampling=SamplingParams(), verification="tree-ish")
+
+
+# --- the public switches ----------------------------------------------------------------------------
+
+def test_decoder_with_block_verification_greedy_equals_plain_and_samples_reproducibly(model_dirs):
+    from specdecode import SpeculativeDecoder
+
+    plain = SpeculativeDecoder(model_dirs["target"], None, dtype="float32")
+    block = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], num_speculative_tokens=3, dtype="float32",
+                               verification="block", guard=False)
+    greedy = SamplingParams(temperature=0)
+    assert block.generate("abcab", max_new_tokens=20, sampling=greedy).token_ids == \
+        plain.generate("abcab", max_new_tokens=20, sampling=greedy).token_ids
+    first = block.generate("abc", max_new_tokens=12, sampling=SamplingParams(seed=4))
+    assert first.stats.num_drafted > 0 and not first.stats.lossy
+    assert block.generate("abc", max_new_tokens=12, sampling=SamplingParams(seed=4)).token_ids == first.token_ids
+    with pytest.raises(ValueError, match="lenience 0.5 .*verification='token'"):
+        block.generate("abc", max_new_tokens=4, lenience=0.5)
+    with pytest.raises(ValueError, match="verification must be one of"):
+        SpeculativeDecoder(model_dirs["target"], None, verification="blocks")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--verification", "block", "--lenience", "0.5"], "--lenience below 1 (lossy) needs --verification token"),
+    (["--verification", "blocks"], "argument --verification: invalid choice: 'blocks'"),
+])
+def test_cli_verification_errors_exit_2_with_one_line(args, message, capsys):
+    from specdecode.cli import main
+
+    with pytest.raises(SystemExit, match="^2$"):
+        main(["generate", "hi"] + args)
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0]
+
+
+def test_cli_generate_with_block_verification(model_dirs, capsys):
+    import json
+
+    from specdecode.cli import main
+
+    assert main(["generate", "abc", "--target", model_dirs["target"], "--draft", model_dirs["draft"],
+                 "--verification", "block", "--seed", "2", "--max-new-tokens", "10", "--dtype", "float32",
+                 "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 10 and out["stats"]["num_drafted"] > 0

@@ -49,6 +49,9 @@ def add_parser(sub) -> None:
     bench.add_argument("--lenience", type=float, nargs="*", default=[], metavar="L",
                        help="also run LOSSY lenient verification (paper A.5) at γ = 4 for each l in (0, 1) "
                             "(e.g. 0.5 0.3 0.1); reported beside the exact runs, never as a speedup of exact decoding")
+    bench.add_argument("--compare-verification", action="store_true",
+                       help="also run the configured decoder with the other --verification rule, and each γ of "
+                            "the sweep with block verification (Sun et al. 2024), beside the token-wise rows")
     bench.add_argument("--batch-size", type=int, nargs="*", default=[], metavar="N",
                        help="also time batched plain and speculative decoding (γ = 4) at these batch sizes, e.g. 1 2 4 8")
     add_out_flag(bench, "bench")
@@ -85,7 +88,7 @@ def run(args, parser) -> int:
         bench_report(decoder, args.tasks, args.prompts, new_tokens=args.new_tokens, repeats=args.repeats,
                      gammas=args.gammas, sampling=sampling, hf_schedules=schedules, out=out,
                      hf_drafts=hf_drafts, lenience=args.lenience, batch_sizes=args.batch_size,
-                     headline=args.headline, progress=None if args.quiet else _bar())
+                     headline=args.headline, compare_verification=args.compare_verification, progress=None if args.quiet else _bar())
     except (ValueError, FileNotFoundError, ImportError) as err:
         return error(err)
     print(Path(out + ".md").read_text(encoding="utf-8"))

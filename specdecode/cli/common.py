@@ -14,6 +14,7 @@ from specdecode.api import (
     DEFAULT_DRAFT_QUANTIZATION,
     DEFAULT_GAMMA,
     DEFAULT_GAMMA_SCHEDULE,
+    DEFAULT_VERIFICATION,
     QUANTIZATIONS,
 )
 from specdecode.models import zoo
@@ -36,6 +37,11 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="fixed: draft up to γ tokens every step; adaptive: start at 4, +2 after a fully "
                              "accepted block, -1 otherwise, within [1, γ] (exact either way; "
                              f"default: {DEFAULT_GAMMA_SCHEDULE})")
+    parser.add_argument("--verification", choices=["token", "block"], default=DEFAULT_VERIFICATION,
+                        help="token: verify drafts one by one (paper §2.3); block: verify each drafted block "
+                             "jointly (Sun et al. 2024), exact too and never fewer accepted drafts in "
+                             "expectation, the same output when greedy; lenience < 1 needs token "
+                             f"(default: {DEFAULT_VERIFICATION})")
     parser.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
                         help="dynamic γ: stop drafting once the draft's probability of its own token falls "
                              "below this, in [0, 1); exact either way; 0 always drafts γ tokens "
@@ -178,6 +184,7 @@ def build_decoder(args, progress, **extra):
     return SpeculativeDecoder(args.target, None if args.draft == "none" else args.draft,
                               num_speculative_tokens=args.num_speculative_tokens,
                               draft_confidence=args.draft_confidence, gamma_schedule=args.gamma_schedule,
+                              verification=args.verification,
                               draft_vocab_limit=args.draft_vocab_limit or "auto",
                               prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft, guard=args.guard,
                               dtype=args.dtype, progress=progress, **extra)
