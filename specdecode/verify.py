@@ -268,3 +268,72 @@ def block_step(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_pro
     next_probs = block_residual(target_probs[rows, num_accepted], q_ext[rows, num_accepted], w_n)
     next_token = torch.multinomial(next_probs, 1, generator=generator).squeeze(-1)
     return num_accepted, next_token
+
+
+# --- token trees ------------------------------------------------------------------------------------
+#
+# A draft tree (SpecInfer, Miao et al. 2024; Sequoia, Chen et al. 2024): node i holds a token drawn
+# from draft_probs[i] (its q, given the path to its parent and the siblings drawn before it), and
+# the target scores every node in one call. Verification walks down from the root. At a node,
+# with r = p(· | path), the children are tried in the order they were drawn: child c is accepted
+# with probability min(1, r(c) / q_c(c)); a rejection replaces r by norm(max(0, r − q_c)). Each
+# trial is one step of the paper's rule with target r and draft q_c, so whatever survives the
+# trials is distributed as r: the token leaving the node (an accepted child, or a draw from the
+# final r) follows p exactly, by induction over the siblings, and then over the depth. This holds
+# for i.i.d. siblings (q_c = q), for siblings drawn without replacement (q_c = q renormalized
+# without the earlier ones) and for deterministic top-k siblings (one-hot q_c); greedy p and q
+# give "follow the child that is the target's argmax". A tree may be shaped by the draft's own
+# distributions, but a drawn sibling must never be dropped because of its value.
+
+
+def tree_step(tree_tokens: torch.Tensor, parents: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
+              generator: torch.Generator | None = None) -> tuple[list[int], int, bool]:
+    """Keep the longest accepted path of a draft tree, then sample one token (multi-draft rule).
+
+    Args:
+        tree_tokens: [N] int64, node i's token.
+        parents: N ints, node i's parent (-1 for a child of the root, else an index below i).
+            Siblings are tried in index order, which must be the order they were drawn in.
+        draft_probs: [N, V_draft] float32, the q node i was drawn from (one-hot if chosen
+            deterministically); zero-padded to V if smaller.
+        target_probs: [N+1, V] float32: row 0 is p after the committed prefix, row i+1 is p after
+            the path to node i.
+        generator: the request's torch.Generator (a uniform per tried child, then one sample).
+    Returns:
+        path: the accepted nodes, root to leaf (node indices).
+        next_token: from the last residual if the final node's children were all rejected, else
+            (no children) from p after the final node.
+        rejected: whether the step ended with a rejection (the next token is a correction).
+    Raises:
+        ValueError: shapes that disagree, or a parent that is not an earlier node.
+    """
+    n = tree_tokens.shape[0]
+    if tree_tokens.dim() != 1 or len(parents) != n or draft_probs.shape[0] != n or target_probs.shape[0] != n + 1:
+        raise ValueError(f"expected tree_tokens [N], N parents, draft_probs [N, V_draft], target_probs [N+1, V]; got "
+                         f"{tuple(tree_tokens.shape)}, {len(parents)}, {tuple(draft_probs.shape)}, "
+                         f"{tuple(target_probs.shape)}")
+    if any(not -1 <= parent < i for i, parent in enumerate(parents)):
+        raise ValueError(f"every parent must be -1 or an earlier node, got {list(parents)}")
+    vocab_size = target_probs.shape[-1]
+    q = match_vocab(draft_probs, vocab_size)
+    tokens = tree_tokens.tolist()
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+    path, node, rejected = [], -1, False
+    while True:
+        r = target_probs[node + 1]
+        chosen = None
+        for child in children.get(node, []):
+            token = tokens[child]
+            q_x = float(q[child, token]) if token < vocab_size else 0.0
+            accept = min(1.0, float(r[token]) / q_x) if q_x > 0 else 0.0
+            if float(torch.rand((), generator=generator, device=tree_tokens.device)) < accept:
+                chosen = child
+                break
+            r = residual_distribution(r, q[child])
+            rejected = True
+        if chosen is None:
+            return path, int(torch.multinomial(r, 1, generator=generator)), rejected
+        path.append(chosen)
+        node, rejected = chosen, False
