@@ -111,6 +111,13 @@ class SpeculativeDecoder:
             each drafted block jointly (Sun et al. 2024, specdecode.verify.block_step): exact too,
             never fewer accepted drafts in expectation, the same output under greedy decoding.
             Lenience < 1 (lossy) needs "token".
+        tree_width: with a draft model, draft a token tree (SpecInfer/Sequoia style): at each
+            position where the draft is less than tree_confidence sure of its token, up to
+            tree_width − 1 sibling candidates (sampled without replacement, or the next-best
+            tokens when greedy), all scored in the same target call and verified exactly
+            (specdecode.verify.tree_step). 1 (default) drafts a chain. Needs verification="token"
+            and lenience 1.
+        tree_confidence: in (0, 1], where to branch (default 0.8).
         guard: pause drafting while the request's acceptances say it does not pay (Cor. 3.9's
             α > c checked at run time, specdecode.engine.guard), probing again every 16 steps;
             and, with two or more such requests running, pause them on steps where the loop's
@@ -129,7 +136,8 @@ class SpeculativeDecoder:
     Raises:
         ValueError: unknown model, tokenizers that differ, an encoder–decoder model paired with a
             decoder-only one, draft_vocab_limit on an encoder–decoder draft, γ < 1, unknown dtype,
-            an unknown verification,
+            an unknown verification, tree_width < 1, tree_confidence outside (0, 1], a tree with
+            verification="block",
             a device that is not available, quantize_draft off the CPU or on a float64 draft.
         FileNotFoundError: the default pair's part packages are not installed.
     """
@@ -138,7 +146,8 @@ class SpeculativeDecoder:
                  num_speculative_tokens: int = DEFAULT_GAMMA, draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
                  draft_vocab_limit: int | str | None = "auto", prompt_lookup: bool | None = None,
                  quantize_draft: bool | str | None = None, gamma_schedule: str = DEFAULT_GAMMA_SCHEDULE,
-                 verification: str = DEFAULT_VERIFICATION, guard: bool = True, guard_costs: tuple[float, float] | None = None, dtype=None, device=None,
+                 verification: str = DEFAULT_VERIFICATION, tree_width: int = 1, tree_confidence: float = 0.8,
+                 guard: bool = True, guard_costs: tuple[float, float] | None = None, dtype=None, device=None,
                  max_batch_size: int | None = None, progress: Callable[[str], None] | None = None):
         if not _is_int(num_speculative_tokens) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
@@ -149,6 +158,13 @@ class SpeculativeDecoder:
             raise ValueError(f"gamma_schedule must be 'fixed' or 'adaptive', got {gamma_schedule!r}")
         if verification not in VERIFICATIONS:
             raise ValueError(f"verification must be one of {', '.join(map(repr, VERIFICATIONS))}, got {verification!r}")
+        if not _is_int(tree_width) or tree_width < 1:
+            raise ValueError(f"tree_width must be an integer >= 1 (1 = a chain), got {tree_width!r}")
+        if isinstance(tree_confidence, bool) or not isinstance(tree_confidence, (int, float)) \
+                or not 0 < tree_confidence <= 1:
+            raise ValueError(f"tree_confidence must be in (0, 1], got {tree_confidence!r}")
+        if tree_width > 1 and verification != "token":
+            raise ValueError("token trees are verified by their own rule: tree_width > 1 needs verification='token'")
         if guard_costs is not None and (len(guard_costs) != 2 or not all(x >= 0 for x in guard_costs)):
             raise ValueError(f"guard_costs must be two numbers >= 0 (c, slope), got {guard_costs!r}")
         if not (quantize_draft is None or isinstance(quantize_draft, bool) or quantize_draft in QUANTIZATIONS):
@@ -162,6 +178,7 @@ class SpeculativeDecoder:
         self.draft_confidence = draft_confidence
         self.gamma_schedule = gamma_schedule
         self.verification = verification
+        self.tree_width, self.tree_confidence = tree_width, tree_confidence
         self.prompt_lookup = (draft is not None) if prompt_lookup is None else prompt_lookup
         self.dtype = parse_dtype(dtype)
         self.device = parse_device(device, target)
@@ -256,10 +273,13 @@ class SpeculativeDecoder:
                              "draft_vocab_limit=None with an encoder-decoder draft")
         return Seq2SeqLM(model)
 
-    def _proposer(self, draft_backend=None):
-        """A new proposer as configured; draft_backend replaces the draft's own (the benchmark wraps it)."""
+    def _proposer(self, draft_backend=None, tree_width: int | None = None):
+        """A new proposer as configured; draft_backend replaces the draft's own (the benchmark wraps
+        it), tree_width the configured one (the benchmark compares them)."""
         draft_backend = draft_backend or (self.draft.backend if self.draft is not None else None)
-        proposer = DraftModelProposer(draft_backend, self.draft_confidence) if draft_backend is not None else None
+        width = self.tree_width if tree_width is None else tree_width
+        proposer = DraftModelProposer(draft_backend, self.draft_confidence, width, self.tree_confidence) \
+            if draft_backend is not None else None
         if self.prompt_lookup:
             proposer = PromptLookupProposer(self.target.backend.vocab_size, fallback=proposer)
         return proposer
@@ -271,7 +291,7 @@ class SpeculativeDecoder:
         Raises:
             TypeError: an argument of the wrong type (named).
             ValueError: max_new_tokens < 1, an empty stop string, lenience outside (0, 1], lenience
-                < 1 on a decoder with verification="block".
+                < 1 on a decoder with verification="block" or tree_width > 1.
         """
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -289,6 +309,8 @@ class SpeculativeDecoder:
             raise ValueError("stop strings must be non-empty")
         if isinstance(lenience, bool) or not isinstance(lenience, (int, float)) or not 0 < lenience <= 1:
             raise ValueError(f"lenience must be a number in (0, 1] (1 = exact; below 1 is lossy), got {lenience!r}")
+        if lenience != 1 and self.tree_width > 1:
+            raise ValueError(f"lenience {lenience} (lossy) needs tree_width=1; token trees are verified exactly")
         if lenience != 1 and self.verification == "block":
             raise ValueError(f"lenience {lenience} (lossy) needs verification='token'; this decoder verifies "
                              "blocks, which is exact only")

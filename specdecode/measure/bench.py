@@ -101,7 +101,8 @@ def _our_runner(target, make_proposer: Callable, gamma: int, new_tokens: int, sa
 
 def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: list[int],
                   hf_schedules: list[str], hf_drafts: dict | None = None, lenience: list[float] = (),
-                  headline: bool = False, compare_verification: bool = False) -> dict[str, Callable]:
+                  headline: bool = False, compare_verification: bool = False,
+                  tree_widths: list[int] = ()) -> dict[str, Callable]:
     """name → go(ids, seed) -> (token ids, GenerationStats or None).
 
     hf_schedules: "heuristic" or "constant:N", each optionally "@LABEL" naming the draft in
@@ -112,6 +113,7 @@ def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: li
     compare_verification: also run the configured decoder with the other verification rule, and
         each γ of the sweep with block verification (the sweep itself is token-wise: Thm 3.8's
         theory beside it assumes that rule).
+    tree_widths: also run the configured decoder drafting token trees of each of these widths.
     """
     eos = decoder.eos_token_ids
     model = decoder.target.backend.model
@@ -142,6 +144,11 @@ def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: li
         for g in gammas:
             configs[f"specdecode γ={g}, block verification"] = _our_runner(
                 target, lambda: DraftModelProposer(draft), g, new_tokens, sampling, verification="block")
+    for width in tree_widths if draft is not None else ():
+        configs[f"specdecode as configured, tree width {width}"] = _our_runner(
+            target, lambda width=width: decoder._proposer(draft, tree_width=width), decoder.num_speculative_tokens,
+            new_tokens, sampling, decoder.guard_costs if sampling.greedy else None,
+            gamma_schedule=decoder.gamma_schedule)
     if not headline:
         configs["prompt lookup alone"] = _our_runner(
             target, lambda: PromptLookupProposer(target.vocab_size), decoder.num_speculative_tokens, new_tokens, sampling)
@@ -271,13 +278,13 @@ def _measured(row: dict) -> float:
 def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens: int, repeats: int,
                  gammas: list[int], sampling: SamplingParams, hf_schedules: list[str], out: str,
                  hf_drafts: dict | None = None, lenience: list[float] = (), batch_sizes: list[int] = (),
-                 headline: bool = False, compare_verification: bool = False,
+                 headline: bool = False, compare_verification: bool = False, tree_widths: list[int] = (),
                  progress: Callable[[int, int, str], None] | None = None) -> dict:
     """Run the benchmark and write OUT.{json,md} and OUT_*.png. Raises ValueError for an
     encoder–decoder pair (not supported yet). Returns {"meta", "costs", "rows",
     "theory", "batch"}. batch_sizes: also time batched plain and speculative decoding (draft model,
-    γ = BATCH_GAMMA) at these batch sizes (specdecode.measure.batch_bench). compare_verification:
-    see build_configs."""
+    γ = BATCH_GAMMA) at these batch sizes (specdecode.measure.batch_bench). compare_verification,
+    tree_widths: see build_configs."""
     from specdecode.measure.data import load_prompts
     from specdecode.measure.plots import (
         plot_expected_tokens,
@@ -294,7 +301,7 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
     draft = decoder.draft.backend if decoder.draft is not None else None
     costs = measure_costs(decoder.target.backend, draft, prompts[0][1], list(range(1, max_k + 1)))
     configs = build_configs(decoder, new_tokens, sampling, gammas, hf_schedules, hf_drafts, lenience, headline,
-                            compare_verification)
+                            compare_verification, tree_widths)
     timings = run_configs(configs, prompts, repeats, progress)
     rows = summarize(timings, costs, tasks)
     best = theory(rows, costs, max_k)
@@ -302,7 +309,7 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
     meta = environment(target=decoder.target.name, draft=decoder.draft.name if decoder.draft else None,
                        dtype=str(decoder.dtype).removeprefix("torch."), temperature=sampling.temperature,
                        tasks=",".join(tasks), prompts_per_task=prompts_per_task, new_tokens=new_tokens,
-                       repeats=repeats, verification=decoder.verification)
+                       repeats=repeats, verification=decoder.verification, tree_width=decoder.tree_width)
     body = [f"c = draft step / target step = {fmt(costs.get('c'), 3)} (target step {costs['target_step_s'] * 1000:.0f} ms"
             + (f", draft step {costs['draft_step_s'] * 1000:.0f} ms" if "draft_step_s" in costs else "") + "); "
             "verify cost r(k) = T(k tokens) / T(1 token): "
