@@ -137,7 +137,7 @@ class SpeculativeDecoder:
         ValueError: unknown model, tokenizers that differ, an encoder–decoder model paired with a
             decoder-only one, draft_vocab_limit on an encoder–decoder draft, γ < 1, unknown dtype,
             an unknown verification, tree_width < 1, tree_confidence outside (0, 1], a tree with
-            verification="block",
+            verification="block" or an encoder–decoder target,
             a device that is not available, quantize_draft off the CPU or on a float64 draft.
         FileNotFoundError: the default pair's part packages are not installed.
     """
@@ -201,6 +201,8 @@ class SpeculativeDecoder:
             raise ValueError(f"target {self.target.name!r} is an encoder-decoder model; the zoo draft "
                              f"{draft!r} is decoder-only. Pass an encoder-decoder draft (e.g. "
                              "google/flan-t5-small for a flan-t5 target) or draft=None")
+        if self.is_encoder_decoder and tree_width > 1:
+            raise ValueError("token trees (tree_width > 1) need a decoder-only target")
         if draft is not None:
             self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, quantize_draft)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)

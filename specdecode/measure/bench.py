@@ -52,8 +52,9 @@ class NoEOS:
     def __getattr__(self, name):
         return getattr(self.backend, name)
 
-    def forward(self, feeds: list[list[int]], num_logits: int) -> torch.Tensor:
-        logits = self.backend.forward(feeds, num_logits).clone()  # inference tensors are read-only
+    def forward(self, feeds: list[list[int]], num_logits: int, trees=None) -> torch.Tensor:
+        logits = (self.backend.forward(feeds, num_logits) if trees is None
+                  else self.backend.forward(feeds, num_logits, trees)).clone()  # inference tensors are read-only
         logits[..., self.eos] = float("-inf")
         return logits
 
