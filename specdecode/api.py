@@ -12,7 +12,7 @@ import torch
 
 from specdecode.engine.driver import Driver
 from specdecode.engine.engine import Engine
-from specdecode.engine.request import DecodeConfig, GenerationResult, Request, TokenEvent
+from specdecode.engine.request import VERIFICATIONS, DecodeConfig, GenerationResult, Request, TokenEvent
 from specdecode.measure.timing import measure_costs
 from specdecode.models import HFCausalLM, Seq2SeqLM, zoo
 from specdecode.models.loading import (check_model_spec, check_same_tokenizer, eos_token_ids, load_model,
@@ -31,6 +31,8 @@ DEFAULT_GAMMA = 8
 DEFAULT_DRAFT_CONFIDENCE = 0.4
 DEFAULT_GAMMA_SCHEDULE = "fixed"
 DEFAULT_DRAFT_QUANTIZATION = "int4"
+# Token-wise verification until block verification is measured to pay on the default pair.
+DEFAULT_VERIFICATION = "token"
 QUANTIZATIONS = {"int8": 8, "int4": 4, "none": None}  # quantize_draft's kinds → bits
 
 
@@ -105,6 +107,17 @@ class SpeculativeDecoder:
         gamma_schedule: "fixed" drafts up to γ every step; "adaptive" starts at 4, adds 2 after a
             fully accepted block and drops 1 otherwise, within [1, γ] (transformers' "heuristic"
             schedule). Exact either way (the choice looks only at the past).
+        verification: "token" (default) verifies drafts one by one (paper §2.3); "block" verifies
+            each drafted block jointly (Sun et al. 2024, specdecode.verify.block_step): exact too,
+            never fewer accepted drafts in expectation, the same output under greedy decoding.
+            Lenience < 1 (lossy) needs "token".
+        tree_width: with a draft model, draft a token tree (SpecInfer/Sequoia style): at each
+            position where the draft is less than tree_confidence sure of its token, up to
+            tree_width − 1 sibling candidates (sampled without replacement, or the next-best
+            tokens when greedy), all scored in the same target call and verified exactly
+            (specdecode.verify.tree_step). 1 (default) drafts a chain. Needs verification="token"
+            and lenience 1.
+        tree_confidence: in (0, 1], where to branch (default 0.8).
         guard: pause drafting while the request's acceptances say it does not pay (Cor. 3.9's
             α > c checked at run time, specdecode.engine.guard), probing again every 16 steps;
             and, with two or more such requests running, pause them on steps where the loop's
@@ -129,8 +142,10 @@ class SpeculativeDecoder:
     Raises:
         ValueError: unknown model, tokenizers that differ, an encoder–decoder model paired with a
             decoder-only one, draft_vocab_limit on an encoder–decoder draft, γ < 1, unknown dtype,
-            a device that is not available, quantize_draft off the CPU or on a float64 draft,
-            device_map with `device` or with a target given as a loaded model.
+            an unknown verification, tree_width < 1, tree_confidence outside (0, 1], a tree with
+            verification="block" or an encoder–decoder target, a device that is not available,
+            quantize_draft off the CPU or on a float64 draft, device_map with `device` or with a
+            target given as a loaded model.
         FileNotFoundError: the default pair's part packages are not installed.
     """
 
@@ -138,6 +153,7 @@ class SpeculativeDecoder:
                  num_speculative_tokens: int = DEFAULT_GAMMA, draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
                  draft_vocab_limit: int | str | None = "auto", prompt_lookup: bool | None = None,
                  quantize_draft: bool | str | None = None, gamma_schedule: str = DEFAULT_GAMMA_SCHEDULE,
+                 verification: str = DEFAULT_VERIFICATION, tree_width: int = 1, tree_confidence: float = 0.8,
                  guard: bool = True, guard_costs: tuple[float, float] | None = None, dtype=None, device=None,
                  device_map=None, offload_folder: str | None = None, max_batch_size: int | None = None,
                  progress: Callable[[str], None] | None = None):
@@ -148,6 +164,15 @@ class SpeculativeDecoder:
             raise ValueError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
         if gamma_schedule not in ("fixed", "adaptive"):
             raise ValueError(f"gamma_schedule must be 'fixed' or 'adaptive', got {gamma_schedule!r}")
+        if verification not in VERIFICATIONS:
+            raise ValueError(f"verification must be one of {', '.join(map(repr, VERIFICATIONS))}, got {verification!r}")
+        if not _is_int(tree_width) or tree_width < 1:
+            raise ValueError(f"tree_width must be an integer >= 1 (1 = a chain), got {tree_width!r}")
+        if isinstance(tree_confidence, bool) or not isinstance(tree_confidence, (int, float)) \
+                or not 0 < tree_confidence <= 1:
+            raise ValueError(f"tree_confidence must be in (0, 1], got {tree_confidence!r}")
+        if tree_width > 1 and verification != "token":
+            raise ValueError("token trees are verified by their own rule: tree_width > 1 needs verification='token'")
         if guard_costs is not None and (len(guard_costs) != 2 or not all(x >= 0 for x in guard_costs)):
             raise ValueError(f"guard_costs must be two numbers >= 0 (c, slope), got {guard_costs!r}")
         if not (quantize_draft is None or isinstance(quantize_draft, bool) or quantize_draft in QUANTIZATIONS):
@@ -160,6 +185,8 @@ class SpeculativeDecoder:
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_confidence = draft_confidence
         self.gamma_schedule = gamma_schedule
+        self.verification = verification
+        self.tree_width, self.tree_confidence = tree_width, tree_confidence
         self.prompt_lookup = (draft is not None) if prompt_lookup is None else prompt_lookup
         self.dtype = parse_dtype(dtype)
         if device_map is not None and (device is not None or isinstance(target, torch.nn.Module)):
@@ -188,6 +215,8 @@ class SpeculativeDecoder:
             raise ValueError(f"target {self.target.name!r} is an encoder-decoder model; the zoo draft "
                              f"{draft!r} is decoder-only. Pass an encoder-decoder draft (e.g. "
                              "google/flan-t5-small for a flan-t5 target) or draft=None")
+        if self.is_encoder_decoder and tree_width > 1:
+            raise ValueError("token trees (tree_width > 1) need a decoder-only target")
         if draft is not None:
             self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, quantize_draft)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
@@ -267,10 +296,13 @@ class SpeculativeDecoder:
                              "draft_vocab_limit=None with an encoder-decoder draft")
         return Seq2SeqLM(model)
 
-    def _proposer(self, draft_backend=None):
-        """A new proposer as configured; draft_backend replaces the draft's own (the benchmark wraps it)."""
+    def _proposer(self, draft_backend=None, tree_width: int | None = None):
+        """A new proposer as configured; draft_backend replaces the draft's own (the benchmark wraps
+        it), tree_width the configured one (the benchmark compares them)."""
         draft_backend = draft_backend or (self.draft.backend if self.draft is not None else None)
-        proposer = DraftModelProposer(draft_backend, self.draft_confidence) if draft_backend is not None else None
+        width = self.tree_width if tree_width is None else tree_width
+        proposer = DraftModelProposer(draft_backend, self.draft_confidence, width, self.tree_confidence) \
+            if draft_backend is not None else None
         if self.prompt_lookup:
             proposer = PromptLookupProposer(self.target.backend.vocab_size, fallback=proposer)
         return proposer
@@ -281,7 +313,8 @@ class SpeculativeDecoder:
 
         Raises:
             TypeError: an argument of the wrong type (named).
-            ValueError: max_new_tokens < 1, an empty stop string, lenience outside (0, 1].
+            ValueError: max_new_tokens < 1, an empty stop string, lenience outside (0, 1], lenience
+                < 1 on a decoder with verification="block" or tree_width > 1.
         """
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -299,6 +332,11 @@ class SpeculativeDecoder:
             raise ValueError("stop strings must be non-empty")
         if isinstance(lenience, bool) or not isinstance(lenience, (int, float)) or not 0 < lenience <= 1:
             raise ValueError(f"lenience must be a number in (0, 1] (1 = exact; below 1 is lossy), got {lenience!r}")
+        if lenience != 1 and self.tree_width > 1:
+            raise ValueError(f"lenience {lenience} (lossy) needs tree_width=1; token trees are verified exactly")
+        if lenience != 1 and self.verification == "block":
+            raise ValueError(f"lenience {lenience} (lossy) needs verification='token'; this decoder verifies "
+                             "blocks, which is exact only")
         # A seeded sampled request must give the same output alone, in a batch and in another
         # process (which measures its own c): the guard stays out of it. Exact greedy output
         # does not depend on when drafting pauses (up to bf16 near-ties); lenient greedy does
@@ -307,7 +345,8 @@ class SpeculativeDecoder:
         return DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling,
                             num_speculative_tokens=self.num_speculative_tokens, eos_token_ids=self.eos_token_ids,
                             stop=tuple(stops), lenience=float(lenience),
-                            costs=self.guard_costs if guarded else None, gamma_schedule=self.gamma_schedule)
+                            costs=self.guard_costs if guarded else None, gamma_schedule=self.gamma_schedule,
+                            verification=self.verification)
 
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
         """A string (chat template applied per `chat`) or token ids → validated token ids. For an
@@ -396,7 +435,8 @@ class SpeculativeDecoder:
         Raises:
             ValueError: bad prompt (any prompt of a batch, before anything is generated),
                 max_new_tokens < 1, empty stop string, batch_size not None or >= 1, stream=True
-                with a list, lenience outside (0, 1], a list of sampling of the wrong length.
+                with a list, lenience outside (0, 1] (or < 1 with verification="block"), a list
+                of sampling of the wrong length.
             TypeError: an argument of the wrong type (named).
         """
         if batch_size is not None and (not _is_int(batch_size) or batch_size < 1):

@@ -102,6 +102,10 @@ def _parse(args, parser):
     check_model_flags(args, parser)
     if not 0 < args.lenience <= 1:
         parser.error(f"--lenience must be in (0, 1] (1 = exact), got {args.lenience}")
+    if args.lenience != 1 and args.verification == "block":
+        parser.error("--lenience below 1 (lossy) needs --verification token; block verification is exact only")
+    if args.lenience != 1 and args.tree_width > 1:
+        parser.error("--lenience below 1 (lossy) needs --tree-width 1; token trees are verified exactly")
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if any(not s for s in args.stop):

@@ -37,7 +37,7 @@ from specdecode.engine.request import (ACCEPTED, BONUS, CORRECTED, TARGET, Decod
 from specdecode.engine.stats import GenerationStats
 from specdecode.proposers.base import Draft, no_draft
 from specdecode.sampling import SamplingParams, adjust, make_generator, sample
-from specdecode.verify import greedy_lenient_step, speculative_step
+from specdecode.verify import block_step, greedy_lenient_step, speculative_step, tree_step
 
 
 @dataclass
@@ -86,7 +86,7 @@ def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch
     Args:
         drafts: [k] int64.  draft_probs: [k, V_draft] q (None when k = 0).
         logits: [k+1, V] the target's raw logits after the pending tokens and each draft.
-        config: the row's sampling and lenience.  generator: the row's.
+        config: the row's sampling, lenience and verification rule.  generator: the row's.
     """
     k = len(drafts)
     if config.sampling.greedy:
@@ -99,9 +99,28 @@ def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch
         return int(n), int(token)
     p = adjust(logits, config.sampling)
     if k > 0:
-        n, token = speculative_step(drafts[None], draft_probs[None], p[None], generator, config.lenience)
+        # Under greedy decoding (one-hot p and q) the block rule is the token-wise rule exactly
+        # (tests/test_block_verify.py), and the token-wise one is cheaper.
+        rule = block_step if config.verification == "block" and not config.sampling.greedy else speculative_step
+        n, token = rule(drafts[None], draft_probs[None], p[None], generator, config.lenience)
         return int(n), int(token)
     return 0, int(sample(p[0], generator))
+
+
+def accept_tree(draft: Draft, logits: torch.Tensor, config: DecodeConfig,
+                generator: torch.Generator) -> tuple[list[int], int, bool]:
+    """Step 4 for a row that drafted a token tree: (accepted path of node indices, next token,
+    whether it ended in a rejection) by verify.tree_step.
+
+    Args:
+        draft: the row's tree (tokens [N], probs [N, V_draft], parents).
+        logits: [N+1, V] the target's raw logits after the pending tokens and after each node.
+    Raises:
+        ValueError: lenience < 1 (the tree rule is exact only).
+    """
+    if config.lenience != 1:
+        raise ValueError("token trees are verified exactly: lenience must be 1")
+    return tree_step(draft.tokens, list(draft.parents), draft.probs, adjust(logits, config.sampling), generator)
 
 
 def synchronize(device: torch.device) -> None:
@@ -217,7 +236,11 @@ class Engine:
         embeddable = self.target.num_embeddings
         feeds = [row.pending + [t if t < embeddable else 0 for t in ids] for row, ids in zip(rows, draft_ids)]
         width = max(len(ids) for ids in draft_ids) + 1
-        logits = self.target.forward(feeds, width)  # [B, width, V]
+        trees = [d.parents for d in drafts]
+        if any(t is not None for t in trees):  # token trees: one call with a tree mask (verify.tree_step)
+            logits = self.target.forward(feeds, width, trees)
+        else:
+            logits = self.target.forward(feeds, width)  # [B, width, V]
         synchronize(self.device)
         t2 = time.perf_counter()
         if self.cost is not None and not prompt_read:  # a prompt read is not a step's cost
@@ -226,13 +249,24 @@ class Engine:
             self.cost.observe_draft(max(d.forwards for d in drafts), sum(k > 0 for k in ks), t1 - t0)
             self._refresh_guards(rows)
         # 4 accept and 5 commit, row by row with each row's generator
-        accepted, new_tokens = [], []
+        accepted, new_tokens, paths = [], [], []
         for b, (row, draft, ids) in enumerate(zip(rows, drafts, draft_ids)):
             k = len(ids)
-            n, token = accept(draft.tokens, draft.probs if k else None, logits[b, width - k - 1:], row.config,
-                              row.generator)
-            new = ids[:n] + [token]
-            origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]
+            if draft.parents is not None:
+                path, token, rejected = accept_tree(draft, logits[b, width - k - 1:], row.config, row.generator)
+                n, new = len(path), [ids[i] for i in path] + [token]
+                origins = [ACCEPTED] * n + [CORRECTED if rejected else BONUS]
+                row.stats.num_tree_branch_wins += int(path != draft.chain[:n])
+                paths.append(path)
+                # the draft model's cache holds the chain: tell it how much of the chain was kept
+                n_kept_in_chain = next((j for j, node in enumerate(path) if node != draft.chain[j]), n)
+            else:
+                n, token = accept(draft.tokens, draft.probs if k else None, logits[b, width - k - 1:], row.config,
+                                  row.generator)
+                new = ids[:n] + [token]
+                origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]
+                paths.append(None)
+                n_kept_in_chain = n
             output = outputs[row.request_id]
             for token_id, origin in zip(new, origins):
                 output.events.append(row.out.push(token_id, origin))
@@ -242,8 +276,10 @@ class Engine:
             self._record(row, draft, ks[b], n, output, t1 - t0, t2 - t1)
             row.tokens += new
             row.pending = [token]
-            accepted.append(n)
+            accepted.append(n_kept_in_chain)
             new_tokens.append(new)
+        if any(t is not None for t in trees):
+            self.target.keep_tree_paths(paths)
         self.target.truncate([len(row.tokens) - 1 for row in rows])
         if self.proposer is not None:
             self.proposer.commit(accepted, new_tokens)
@@ -275,7 +311,7 @@ class Engine:
     @staticmethod
     def _record(row: _Row, draft: Draft, planned: int, n: int, output: StepOutput, draft_s: float,
                 target_s: float) -> None:
-        k = len(draft.tokens)
+        k = len(draft.chain)  # a tree's γ is its chain; its side leaves are extra candidates
         stats = row.stats
         drafted, kept = stats.num_drafted, stats.num_accepted
         stats.num_target_calls += 1

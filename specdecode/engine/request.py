@@ -12,6 +12,9 @@ from specdecode.sampling import SamplingParams
 # accepted block, and a token of a step that drafted nothing (plain decoding).
 ACCEPTED, CORRECTED, BONUS, TARGET = "accepted", "corrected", "bonus", "target"
 
+# How a step's drafts are verified: token by token (paper §2.3) or as a block (Sun et al. 2024).
+VERIFICATIONS = ("token", "block")
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -28,6 +31,11 @@ class DecodeConfig:
     gamma_schedule: "fixed" drafts up to γ_max every step; "adaptive" starts at min(4, γ_max),
         adds 2 after a block whose planned drafts were all accepted and drops 1 otherwise
         (within [1, γ_max]). Any rule that looks only at the past is exact (§2.3 holds step by step).
+    verification: "token" checks the drafts one by one (paper §2.3, verify.speculative_step);
+        "block" verifies the block jointly (Sun et al. 2024, verify.block_step): exact too, and
+        never fewer accepted drafts in expectation. Greedy decoding is the same under both.
+    Raises:
+        ValueError: an unknown verification, or lenience < 1 with "block" (block has no lossy form).
     """
 
     max_new_tokens: int
@@ -38,6 +46,14 @@ class DecodeConfig:
     lenience: float = 1.0
     costs: tuple[float, float] | None = None
     gamma_schedule: str = "fixed"
+    verification: str = "token"
+
+    def __post_init__(self):
+        if self.verification not in VERIFICATIONS:
+            raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {self.verification!r}")
+        if self.verification == "block" and self.lenience != 1:
+            raise ValueError(f"lenience {self.lenience} (lossy) works with verification='token' only; "
+                             "block verification is exact")
 
 
 @dataclass(frozen=True)

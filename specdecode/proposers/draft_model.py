@@ -34,17 +34,32 @@ class DraftModelProposer:
     falls below `confidence_threshold` (dynamic γ). The rule looks only at the draft's side, so
     the output distribution is unchanged: each drafted position is still verified exactly.
 
+    With tree_width > 1 it proposes a token tree (SpecInfer/Sequoia style, verify.tree_step): the
+    chain as above, and at each position where the draft is less than `tree_confidence` sure of
+    its chain token, up to tree_width − 1 sibling leaves: for a sampled row drawn from q without
+    replacement (each with the renormalized q it was drawn from), for a greedy row the draft's
+    next-best tokens (one-hot q). Leaves cost no draft forward; the target scores them in the
+    same call. Both the shape and the leaves depend on the draft's side only, so it stays exact.
+
     Args:
         backend: a model backend (specdecode.models) for the draft model.
         confidence_threshold: in [0, 1); 0 always drafts k tokens. The confidence is the draft's
             untempered softmax probability of the chosen token (also under greedy decoding).
+        tree_width: candidates per uncertain position (>= 1; 1 drafts a chain).
+        tree_confidence: in (0, 1]; branch where the chain token's confidence is below it.
+    Raises:
+        ValueError: an argument out of range.
     """
 
-    def __init__(self, backend, confidence_threshold: float = 0.0):
+    def __init__(self, backend, confidence_threshold: float = 0.0, tree_width: int = 1,
+                 tree_confidence: float = 0.8):
         if not 0 <= confidence_threshold < 1:
             raise ValueError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
+        if tree_width < 1 or not 0 < tree_confidence <= 1:
+            raise ValueError(f"need tree_width >= 1 and tree_confidence in (0, 1], got {tree_width}, {tree_confidence}")
         self.backend = backend
         self.confidence_threshold = confidence_threshold
+        self.tree_width, self.tree_confidence = tree_width, tree_confidence
         self.max_rows = backend.max_rows
         self.rows: list[_RowState] = []
         self.time_s = 0.0
@@ -81,6 +96,9 @@ class DraftModelProposer:
                     lengths[b], state.pending = len(state.pending) - 1, state.pending[-1:]
         tokens: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        parents: list[list[int]] = [[] for _ in rows]   # tree mode: every node's parent
+        chain: list[list[int]] = [[] for _ in rows]     # tree mode: the chain's node indices
+        last = [0] * len(rows)                          # the chain's last token, fed next
         forwards = [0] * len(rows)
         for b, state in enumerate(states):
             state.drafted = 0
@@ -91,17 +109,25 @@ class DraftModelProposer:
                 break
             feeds = [[] for _ in rows]
             for b in live:
-                feeds[b] = [self._feedable(t) for t in (states[b].pending if j == 0 else tokens[b][-1:])]
+                feeds[b] = [self._feedable(t) for t in (states[b].pending if j == 0 else [last[b]])]
             logits = backend.forward(feeds, 1)[:, 0]  # [B, V]
             for b in live:
                 row = rows[b]
                 forwards[b] += 1
                 q = adjust(logits[b], row.sampling)
                 token = int(q.argmax()) if row.sampling.greedy else int(sample(q, row.generator))
+                confidence = None
+                if self.confidence_threshold or self.tree_width > 1:
+                    confidence = float(torch.softmax(logits[b], -1)[token])
+                if self.tree_width > 1:
+                    parents[b].append(chain[b][-1] if chain[b] else -1)
+                    chain[b].append(len(tokens[b]))
                 tokens[b].append(token)
                 probs[b].append(q)
-                if self.confidence_threshold and j + 1 < ks[b] and \
-                        float(torch.softmax(logits[b], -1)[token]) < self.confidence_threshold:
+                last[b] = token
+                if self.tree_width > 1 and confidence < self.tree_confidence:
+                    self._branch(row, logits[b], q, token, tokens[b], probs[b], parents[b])
+                if self.confidence_threshold and j + 1 < ks[b] and confidence < self.confidence_threshold:
                     ks[b] = j + 1
         drafts = []
         for b, state in enumerate(states):
@@ -110,10 +136,37 @@ class DraftModelProposer:
                 drafts.append(no_draft(backend.vocab_size, backend.device))
                 continue
             state.pending = []
+            state.drafted = len(chain[b]) if self.tree_width > 1 else len(tokens[b])
             drafts.append(Draft(torch.tensor(tokens[b], dtype=torch.long, device=backend.device),
-                                torch.stack(probs[b]), forwards=forwards[b]))
+                                torch.stack(probs[b]), forwards=forwards[b],
+                                parents=tuple(parents[b]) if self.tree_width > 1 else None))
         self.time_s += time.perf_counter() - start
         return drafts
+
+    def _branch(self, row: DraftRow, logits: torch.Tensor, q: torch.Tensor, token: int, tokens: list[int],
+                probs: list[torch.Tensor], parents: list[int]) -> None:
+        """Append up to tree_width − 1 siblings of the chain token just drafted (the last node)."""
+        parent = parents[-1]
+        if row.sampling.greedy:
+            # deterministic: the draft's next-best ids, each with a one-hot q
+            order = logits.topk(min(self.tree_width, logits.shape[-1])).indices.tolist()
+            for sibling in [t for t in order if t != token][:self.tree_width - 1]:
+                tokens.append(sibling)
+                probs.append(torch.nn.functional.one_hot(torch.tensor(sibling, device=q.device), q.shape[-1]).to(q.dtype))
+                parents.append(parent)
+            return
+        remaining = q.clone()
+        for _ in range(self.tree_width - 1):
+            # without replacement: drop what was drawn, renormalize; each sibling keeps its own q
+            remaining = remaining.clone()  # the previous sibling keeps its own q
+            remaining[tokens[-1]] = 0.0
+            mass = float(remaining.sum())
+            if mass <= 0:
+                return
+            remaining = remaining / mass
+            tokens.append(int(sample(remaining, row.generator)))
+            probs.append(remaining)
+            parents.append(parent)
 
     def commit(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
         for state, n, new in zip(self.rows, num_accepted, new_tokens):
