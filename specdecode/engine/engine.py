@@ -22,6 +22,7 @@ are padded to the prompt's length in that one call).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -32,8 +33,9 @@ from specdecode.engine.cost import BatchCostModel
 from specdecode.engine.output import Output
 from specdecode.engine.policy import GammaPolicy
 from specdecode.engine.request import (ACCEPTED, BONUS, CORRECTED, TARGET, DecodeConfig, GenerationResult,
-                                       Request, TokenEvent)
+                                       Request, TokenEvent, TokenLogprob)
 from specdecode.engine.stats import GenerationStats
+from specdecode.processors import LogitsPipeline, build_pipeline
 from specdecode.proposers.base import Draft, no_draft
 from specdecode.sampling import SamplingParams, adjust, make_generator, sample
 from specdecode.verify import greedy_lenient_step, speculative_step
@@ -56,7 +58,8 @@ class _Row:
     """One running request's state. `tokens` is its committed sequence (prompt + emitted);
     the target's cache holds all of it but `pending`, which the next forward feeds first."""
 
-    def __init__(self, request_id: int, request: Request, tokenizer, speculative: bool, device):
+    def __init__(self, request_id: int, request: Request, tokenizer, speculative: bool, device,
+                 vocab_size: int | None = None):
         config = request.config
         self.request_id, self.request, self.config = request_id, request, config
         self.sampling: SamplingParams = config.sampling
@@ -68,6 +71,11 @@ class _Row:
         self.stats = GenerationStats(lossy=config.lenience < 1.0 and speculative,
                                      accepted_per_position=[0] * self.policy.k_max)
         self.start = time.perf_counter()
+        # penalties, processors, grammar: None keeps the fast path (specdecode.processors)
+        self.pipeline: LogitsPipeline | None = None
+        if vocab_size is not None:
+            self.pipeline = build_pipeline(config.sampling, len(request.prompt_ids), vocab_size,
+                                           config.logits_processors, config.grammar)
 
     def result(self) -> GenerationResult:
         self.stats.num_generated = len(self.out.token_ids)
@@ -75,19 +83,24 @@ class _Row:
         if self.policy.guard is not None:
             self.stats.num_guard_pauses = self.policy.guard.num_pauses
         return GenerationResult(self.out.text, self.out.token_ids, self.out.finish_reason, self.stats,
-                                self.out.origins)
+                                self.out.origins, self.out.logprobs)
 
 
 def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor, config: DecodeConfig,
-           generator: torch.Generator) -> tuple[int, int]:
+           generator: torch.Generator, pipeline: LogitsPipeline | None = None,
+           committed: list[int] | None = None) -> tuple[int, int]:
     """Step 4 for one row: (drafts accepted, the next token).
 
     Args:
         drafts: [k] int64.  draft_probs: [k, V_draft] q (None when k = 0).
         logits: [k+1, V] the target's raw logits after the pending tokens and each draft.
         config: the row's sampling and lenience.  generator: the row's.
+        pipeline: the row's prefix-dependent transforms (rule 9), given the committed tokens:
+            position i's logits are transformed with prefix committed + drafts[:i].
     """
     k = len(drafts)
+    if pipeline is not None:
+        logits = pipeline(committed, drafts.tolist(), logits)
     if k > 0 and config.sampling.greedy and config.lenience < 1:
         # lenience must see the target's untempered distribution, not the one-hot (paper A.5)
         n, token = greedy_lenient_step(drafts[None], logits[None], config.lenience)
@@ -97,6 +110,34 @@ def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch
         n, token = speculative_step(drafts[None], draft_probs[None], p[None], generator, config.lenience)
         return int(n), int(token)
     return 0, int(p[0].argmax()) if config.sampling.greedy else int(sample(p[0], generator))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under the target's raw distribution at its position (the
+    log-softmax of the logits, before any processing), with the `top` most likely ids.
+
+    logits: [len(tokens), V] the target's raw logits; row i is the position of tokens[i].
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    if top:
+        values, ids = logprobs.topk(top, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [[] for _ in tokens]
+    return [TokenLogprob(t, lp, alternatives) for t, lp, alternatives in zip(tokens, chosen, tops)]
+
+
+def _cut_to_grammar(row: _Row, draft: Draft) -> Draft:
+    """The draft up to the first token its grammar refuses: that token would be rejected (p = 0),
+    so it and what follows are cut before the target call, at no cost to exactness."""
+    k = len(draft.tokens)
+    if row.pipeline is None or row.pipeline.grammar is None or k == 0:
+        return draft
+    n = row.pipeline.valid_prefix(row.tokens, draft.tokens.tolist())
+    if n == k:
+        return draft
+    return dataclasses.replace(draft, tokens=draft.tokens[:n], probs=draft.probs[:n])
 
 
 def synchronize(device: torch.device) -> None:
@@ -202,6 +243,8 @@ class Engine:
             drafts = self.proposer.propose(rows, ks)
         else:
             drafts = [no_draft(self.target.vocab_size, self.device)] * len(rows)
+        if any(row.pipeline is not None and row.pipeline.grammar is not None for row in rows):
+            drafts = [_cut_to_grammar(row, draft) for row, draft in zip(rows, drafts)]
         synchronize(self.device)
         t1 = time.perf_counter()
         # 3 score: one target call over every row's pending token(s) and drafts. A draft id the
@@ -222,12 +265,14 @@ class Engine:
         for b, (row, draft, ids) in enumerate(zip(rows, drafts, draft_ids)):
             k = len(ids)
             n, token = accept(draft.tokens, draft.probs if k else None, logits[b, width - k - 1:], row.config,
-                              row.generator)
+                              row.generator, row.pipeline, row.tokens)
             new = ids[:n] + [token]
             origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]
+            logprobs = [None] * len(new) if row.config.logprobs is None else \
+                token_logprobs(logits[b, width - k - 1:width - k + n], new, row.config.logprobs)
             output = outputs[row.request_id]
-            for token_id, origin in zip(new, origins):
-                output.events.append(row.out.push(token_id, origin))
+            for token_id, origin, logprob in zip(new, origins, logprobs):
+                output.events.append(row.out.push(token_id, origin, logprob))
                 if row.out.finish_reason is not None:
                     break
             # 6 record
@@ -281,7 +326,8 @@ class Engine:
             self.target.add_row(encoder_input)
             if self.proposer is not None:
                 self.proposer.add_row(request.prompt_ids, encoder_input)
-            self.running.append(_Row(request_id, request, self.tokenizer, self.proposer is not None, self.device))
+            self.running.append(_Row(request_id, request, self.tokenizer, self.proposer is not None, self.device,
+                                     self.target.vocab_size))
 
     def _leave(self, rows: list[_Row], outputs: dict[int, StepOutput] | None = None) -> None:
         """Finished or aborted rows leave the batch: their cache rows go, so later steps cost less."""

@@ -15,8 +15,9 @@ from specdecode.sampling import adjust, sample
 @dataclass
 class _RowState:
     pending: list[int]           # committed tokens the draft's cache has not been fed yet
-    drafted: int = 0             # drafts made this step (the last one is never fed)
-    base: int = 0                # cache length once the pending tokens are in
+    drafted: int = 0             # drafts made this step
+    fed: int = 0                 # of which the cache holds the first `fed` (never the last)
+    base: int = 0                # cache length with the pending tokens in, if they were fed
 
 
 class DraftModelProposer:
@@ -28,6 +29,11 @@ class DraftModelProposer:
     rollback cost no extra call. A row that drafts less than the others (or nothing: prompt
     lookup had a proposal, the guard paused it) feeds nothing at the later positions, and its
     committed tokens queue up as pending.
+
+    A row with a logits pipeline (penalties, logits processors, a grammar: DESIGN.md rule 9) drafts
+    from its transformed logits, padded or cut to the target's vocabulary, with prefix committed +
+    drafts so far; where its grammar allows only one token, that token is the draft (one-hot q)
+    and costs no forward.
 
     Drafting of a row stops early when the draft's own probability of the token it just chose
     falls below `confidence_threshold` (dynamic γ). The rule looks only at the draft's side, so
@@ -74,47 +80,79 @@ class DraftModelProposer:
         tokens: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         forwards = [0] * len(rows)
-        for b, state in enumerate(states):
-            state.drafted = 0
-            state.base = lengths[b] + (len(state.pending) if ks[b] > 0 else 0)
+        # what each row's next forward must feed: its pending committed tokens, then its drafts so far
+        unfed = [list(state.pending) if k > 0 else [] for state, k in zip(states, ks)]
+        pending_fed = [False] * len(rows)
+        fed = [0] * len(rows)  # drafts in the cache
+        pipelines = [getattr(row, "pipeline", None) for row in rows]
         for j in range(max(ks, default=0)):
             live = [b for b in range(len(rows)) if j < ks[b]]
             if not live:  # every row stopped early (dynamic γ)
                 break
+            need = []
+            for b in live:
+                forced = self._forced(pipelines[b], rows[b], tokens[b])
+                if forced is None:
+                    need.append(b)
+                    continue
+                # the grammar allows one token: it is the draft, with one-hot q, and no forward
+                tokens[b].append(forced)
+                probs[b].append(torch.nn.functional.one_hot(
+                    torch.tensor(forced, device=backend.device), pipelines[b].vocab_size).float())
+                unfed[b].append(forced)
+            if not need:
+                continue
             feeds = [[] for _ in rows]
-            for b in live:
-                feeds[b] = [self._feedable(t) for t in (states[b].pending if j == 0 else tokens[b][-1:])]
+            for b in need:
+                feeds[b] = [self._feedable(t) for t in unfed[b]]
+                unfed[b], pending_fed[b], fed[b] = [], True, len(tokens[b])
             logits = backend.forward(feeds, 1)[:, 0]  # [B, V]
-            for b in live:
+            for b in need:
                 row = rows[b]
                 forwards[b] += 1
-                q = adjust(logits[b], row.sampling)
+                scores = logits[b]
+                if pipelines[b] is not None:
+                    # the request's penalties, processors and grammar, with prefix committed + drafts so far
+                    scores = pipelines[b](row.tokens, tokens[b], scores[None], start=len(tokens[b]))[0]
+                    if not torch.isfinite(scores).any():  # nothing allowed within the draft's vocabulary
+                        ks[b] = j
+                        continue
+                q = adjust(scores, row.sampling)
                 token = int(q.argmax()) if row.sampling.greedy else int(sample(q, row.generator))
                 tokens[b].append(token)
                 probs[b].append(q)
+                unfed[b].append(token)
                 if self.confidence_threshold and j + 1 < ks[b] and \
                         float(torch.softmax(logits[b], -1)[token]) < self.confidence_threshold:
                     ks[b] = j + 1
         drafts = []
         for b, state in enumerate(states):
             state.drafted = len(tokens[b])
+            state.fed = fed[b]
+            state.base = lengths[b] + (len(state.pending) if pending_fed[b] else 0)
+            if pending_fed[b]:
+                state.pending = []
             if not tokens[b]:
                 drafts.append(no_draft(backend.vocab_size, backend.device))
                 continue
-            state.pending = []
             drafts.append(Draft(torch.tensor(tokens[b], dtype=torch.long, device=backend.device),
                                 torch.stack(probs[b]), forwards=forwards[b]))
         self.time_s += time.perf_counter() - start
         return drafts
 
+    @staticmethod
+    def _forced(pipeline, row, drafts: list[int]) -> int | None:
+        if pipeline is None or pipeline.grammar is None:
+            return None
+        return pipeline.forced(row.tokens, drafts)
+
     def commit(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
         for state, n, new in zip(self.rows, num_accepted, new_tokens):
-            if state.drafted:
-                # The cache holds the prefix plus drafts[:-1]; the last draft was never fed.
-                kept = min(n, state.drafted - 1)
-                state.pending = list(new[kept:])
-                state.base += kept
-            else:  # the draft sat this step out: its cache did not move, the tokens queue up
-                state.pending += new
-            state.drafted = 0
+            # The cache holds the prefix up to `base` plus the first `fed` drafts (never the last
+            # draft, nor forced ones after the last forward); what it lacks queues up as pending.
+            # A row that sat the step out fed nothing: fed = 0 and its base did not move.
+            kept = min(n, state.fed)
+            state.pending = state.pending + list(new[kept:])
+            state.base += kept
+            state.drafted = state.fed = 0
         self.backend.truncate([state.base for state in self.rows])
