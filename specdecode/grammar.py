@@ -19,6 +19,8 @@ from typing import Sequence
 
 import torch
 
+ENDED = -1  # GrammarState.forced after the stop token
+
 # "[08:31:52] /project/cpp/json_schema_converter.cc:5082: Unsupported type" → "Unsupported type"
 _LOG_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")
 
@@ -173,6 +175,8 @@ class GrammarState:
             if accepted < start:
                 return out  # a refused draft before these positions: they are never used
             for i in range(n):
+                if self.matcher.is_terminated():
+                    break  # after the stop token: the request has ended, these positions are never used
                 allowed = self._allowed()
                 width = min(vocab, allowed.shape[0])
                 out[i, :width] = logits[i, :width].masked_fill(~allowed[:width], float("-inf"))
@@ -195,12 +199,15 @@ class GrammarState:
         return accepted
 
     def forced(self, committed: Sequence[int], drafts: Sequence[int]) -> int | None:
-        """The only token allowed after committed + drafts, or None (several, or the drafts break the grammar)."""
+        """The only token allowed after committed + drafts; None for several (or drafts that break
+        the grammar); ENDED after the stop token (nothing may follow)."""
         self._sync(committed)
         accepted = self._advance(drafts)
         try:
-            if accepted < len(drafts) or self.matcher.is_terminated():
+            if accepted < len(drafts):
                 return None
+            if self.matcher.is_terminated():
+                return ENDED
             ids = self._allowed().nonzero()
         finally:
             if accepted:

@@ -151,7 +151,8 @@ class LogitsPipeline:
         return len(drafts) if self.grammar is None else self.grammar.valid_prefix(committed, drafts)
 
     def forced(self, committed: Sequence[int], drafts: Sequence[int]) -> int | None:
-        """The one token the grammar allows after committed + drafts, or None (several, or no grammar)."""
+        """The one token the grammar allows after committed + drafts, or None (several, or no
+        grammar), or specdecode.grammar.ENDED (-1) once it has taken its stop token."""
         return None if self.grammar is None else self.grammar.forced(committed, drafts)
 
 

@@ -95,6 +95,9 @@ class DraftModelProposer:
                 if forced is None:
                     need.append(b)
                     continue
+                if forced < 0:  # the grammar took its stop token: nothing can follow
+                    ks[b] = j
+                    continue
                 # the grammar allows one token: it is the draft, with one-hot q, and no forward
                 tokens[b].append(forced)
                 probs[b].append(torch.nn.functional.one_hot(
