@@ -60,6 +60,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                         help="weights and activations dtype; bfloat16 (default) is fastest on CPU, float32 for "
                              "bit-exact comparisons")
+    parser.add_argument("--ignore-generation-config", action="store_true",
+                        help="do not apply the target's generation_config defaults (by default its "
+                             "repetition_penalty and no_repeat_ngram_size apply, exactly; other values it sets "
+                             "are named in a warning and not applied)")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress messages, progress bars or summary on stderr (errors still print)")
 
@@ -180,7 +184,8 @@ def build_decoder(args, progress, **extra):
                               draft_confidence=args.draft_confidence, gamma_schedule=args.gamma_schedule,
                               draft_vocab_limit=args.draft_vocab_limit or "auto",
                               prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft, guard=args.guard,
-                              dtype=args.dtype, progress=progress, **extra)
+                              dtype=args.dtype, progress=progress,
+                              use_generation_config=not getattr(args, "ignore_generation_config", False), **extra)
 
 
 def error(err: Exception) -> int:
