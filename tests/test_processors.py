@@ -231,3 +231,22 @@ def test_processor_list_passes_the_whole_prefix():
     seen = []
     ProcessorList([lambda ids, scores: seen.append(ids[0].tolist()) or scores])([1, 2], [3, 4], torch.zeros(3, 5))
     assert seen == [[1, 2], [1, 2, 3], [1, 2, 3, 4]]
+
+
+def test_rows_with_their_own_pipelines_in_one_batch_equal_each_alone():
+    # rule 7 with rule 9: a penalized row, a row with a processor and a plain row share the batch
+    from specdecode.engine.driver import run_all
+    from specdecode.engine.request import Request
+
+    target, draft = TableModel(8, order=2, seed=5), TableModel(8, order=2, seed=6)
+    ban_last = lambda ids, scores: scores.index_fill(1, ids[0, -1:], float("-inf"))  # noqa: E731
+    configs = [DecodeConfig(max_new_tokens=20, sampling=SamplingParams(seed=1, repetition_penalty=2.0,
+                                                                       frequency_penalty=1.0), num_speculative_tokens=3),
+               DecodeConfig(max_new_tokens=20, sampling=SamplingParams(seed=2), num_speculative_tokens=3,
+                            logits_processors=(ban_last,)),
+               DecodeConfig(max_new_tokens=20, sampling=SamplingParams(seed=3), num_speculative_tokens=3)]
+    prompts = [[1, 2], [3, 4, 5], [6]]
+    together = run_all(target, DraftModelProposer(draft), [Request(p, c) for p, c in zip(prompts, configs)])
+    alone = [run(target, DraftModelProposer(draft), p, c) for p, c in zip(prompts, configs)]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert all(a != b for a, b in zip(together[1].token_ids, together[1].token_ids[1:]))
