@@ -4,7 +4,9 @@ validates every input at the boundary, and turns calls into engine requests (spe
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -20,6 +22,16 @@ from specdecode.models.loading import (check_model_spec, check_same_tokenizer, e
 from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
+
+MAX_LOGPROBS = 20
+# generation_config keys that do not shape the output distribution (ids, cache and output plumbing)
+_NOT_SAMPLING = {"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "transformers_version",
+                 "_from_model_config", "use_cache", "output_attentions", "output_hidden_states", "output_scores",
+                 "output_logits", "return_dict_in_generate", "cache_implementation", "cache_config",
+                 "return_legacy_cache", "is_assistant", "num_assistant_tokens", "num_assistant_tokens_schedule",
+                 "assistant_confidence_threshold", "_commit_hash"}
+# the ones we apply exactly (on top of the request's own settings)
+_APPLIED = ("repetition_penalty", "no_repeat_ngram_size")
 
 # Defaults, exact, chosen on HumanEval: prompt lookup first; otherwise the draft, with int4
 # weights and eager attention, scoring only the first 32768 ids, drafts up to 8 tokens, stopping
@@ -138,6 +150,12 @@ class SpeculativeDecoder:
         offload_folder: with a device_map that puts layers on "disk": where accelerate keeps them.
         max_batch_size: the most requests decoded together (None: no limit; generate's
             batch_size can lower it per call).
+        use_generation_config: apply the target's own generation_config defaults that we can
+            apply exactly: its repetition_penalty (to requests whose own is 1.0) and
+            no_repeat_ngram_size (transformers' NoRepeatNGramLogitsProcessor). Any other value
+            that would shape transformers' output (temperature, top_k, top_p, do_sample, ...) is
+            NOT applied (SamplingParams stay explicit): a warning names them once, at load.
+            False ignores the generation_config. Default True.
         progress: called with one-line messages while models are assembled and loaded.
     Raises:
         ValueError: unknown model, tokenizers that differ, an encoder–decoder model paired with a
@@ -156,7 +174,7 @@ class SpeculativeDecoder:
                  verification: str = DEFAULT_VERIFICATION, tree_width: int = 1, tree_confidence: float = 0.8,
                  guard: bool = True, guard_costs: tuple[float, float] | None = None, dtype=None, device=None,
                  device_map=None, offload_folder: str | None = None, max_batch_size: int | None = None,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, use_generation_config: bool = True):
         if not _is_int(num_speculative_tokens) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
         if isinstance(draft_confidence, bool) or not isinstance(draft_confidence, (int, float)) \
@@ -222,6 +240,8 @@ class SpeculativeDecoder:
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
             self._check_pair()
         self.eos_token_ids = eos_token_ids(self.target.backend.model, self.tokenizer)
+        self.generation_defaults = self._generation_defaults() if use_generation_config else {}
+        self._grammar_compiler = None
         self.guard_costs = None  # None: no guard
         if guard and self.draft is not None:
             self.guard_costs = guard_costs or self._measure_guard_costs(progress)
@@ -233,6 +253,39 @@ class SpeculativeDecoder:
         if self.device.type != "cpu" and quantize_draft not in (None, False, "none"):
             raise ValueError(f"quantize_draft={quantize_draft!r}: the int8/int4 draft kernels run on the CPU only; "
                              f"on {self.device} pass quantize_draft=None or 'none'")
+
+    def _generation_defaults(self) -> dict:
+        """The target's generation_config values we apply ({name: value}); warns once about the rest."""
+        config = getattr(self.target.backend.model, "generation_config", None)
+        if config is None:
+            return {}
+        diff = {k: v for k, v in config.to_diff_dict().items() if k not in _NOT_SAMPLING}
+        applied = {}
+        if diff.get("repetition_penalty") not in (None, 1.0):
+            applied["repetition_penalty"] = float(diff["repetition_penalty"])
+        if diff.get("no_repeat_ngram_size"):
+            applied["no_repeat_ngram_size"] = int(diff["no_repeat_ngram_size"])
+        ignored = sorted(k for k in diff if k not in _APPLIED)
+        if ignored:
+            warnings.warn(f"the target's generation_config sets {', '.join(f'{k}={diff[k]!r}' for k in ignored)}: "
+                          "not applied (pass them in SamplingParams); applied: "
+                          f"{', '.join(f'{k}={v!r}' for k, v in applied.items()) or 'nothing'}", stacklevel=3)
+        return applied
+
+    def grammar(self, response_format=None, grammar: str | None = None):
+        """The compiled specdecode.grammar.Grammar for a response_format or grammar string (None for neither).
+
+        Raises:
+            ValueError: an invalid response_format, schema, regex or grammar (the engine's message).
+            ImportError: xgrammar is not installed.
+        """
+        if response_format is None and grammar is None:
+            return None
+        if self._grammar_compiler is None:
+            from specdecode.grammar import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.target.backend.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler.compile(response_format, grammar)
 
     def _check_pair(self) -> None:
         if self.is_encoder_decoder != isinstance(self.draft.backend, Seq2SeqLM):
@@ -308,13 +361,18 @@ class SpeculativeDecoder:
         return proposer
 
     def config(self, max_new_tokens: int, sampling: SamplingParams | None = None, stop=None,
-               lenience: float = 1.0) -> DecodeConfig:
-        """The DecodeConfig of a request with these settings (validated) on this decoder.
+               lenience: float = 1.0, logprobs: int | None = None, logits_processors=None,
+               response_format=None, grammar=None) -> DecodeConfig:
+        """The DecodeConfig of a request with these settings (validated) on this decoder; the
+        target's generation_config defaults are applied here (see use_generation_config).
 
+        `grammar` may also be an already compiled specdecode.grammar.Grammar (see `grammar()`).
         Raises:
             TypeError: an argument of the wrong type (named).
             ValueError: max_new_tokens < 1, an empty stop string, lenience outside (0, 1], lenience
-                < 1 on a decoder with verification="block" or tree_width > 1.
+                < 1 on a decoder with verification="block" or tree_width > 1, logprobs outside
+                [0, 20], a logits processor that is not callable, an invalid response_format,
+                schema or grammar.
         """
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -342,11 +400,28 @@ class SpeculativeDecoder:
         # does not depend on when drafting pauses (up to bf16 near-ties); lenient greedy does
         # (a paused step emits the argmax), so it is not guarded either.
         guarded = lenience == 1 if sampling.greedy else sampling.seed is None
+        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (alternatives per token), "
+                             f"got {logprobs!r}")
+        processors = list(logits_processors or ())
+        if not all(callable(p) for p in processors):
+            raise ValueError("logits_processors must be callables processor(input_ids [1, T], scores [1, V]) -> scores")
+        from specdecode.grammar import Grammar
+
+        compiled = grammar if isinstance(grammar, Grammar) else self.grammar(response_format, grammar)
+        defaults = self.generation_defaults
+        if "repetition_penalty" in defaults and sampling.repetition_penalty == 1.0:
+            sampling = dataclasses.replace(sampling, repetition_penalty=defaults["repetition_penalty"])
+        if "no_repeat_ngram_size" in defaults:
+            from transformers import NoRepeatNGramLogitsProcessor
+
+            processors.insert(0, NoRepeatNGramLogitsProcessor(defaults["no_repeat_ngram_size"]))
         return DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling,
                             num_speculative_tokens=self.num_speculative_tokens, eos_token_ids=self.eos_token_ids,
                             stop=tuple(stops), lenience=float(lenience),
                             costs=self.guard_costs if guarded else None, gamma_schedule=self.gamma_schedule,
-                            verification=self.verification)
+                            verification=self.verification, logprobs=logprobs,
+                            logits_processors=tuple(processors), grammar=compiled)
 
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
         """A string (chat template applied per `chat`) or token ids → validated token ids. For an
@@ -408,7 +483,8 @@ class SpeculativeDecoder:
 
     def generate(self, prompt, *, max_new_tokens: int = 256, sampling: SamplingParams | list | None = None,
                  stop: list[str] | str | None = None, stream: bool = False, chat: bool | None = None,
-                 batch_size: int | None = None, lenience: float = 1.0):
+                 batch_size: int | None = None, lenience: float = 1.0, logprobs: int | None = None,
+                 logits_processors=None, response_format=None, grammar: str | None = None):
         """Generate a continuation whose distribution is exactly the target's (paper §2.3).
 
         Args:
@@ -426,6 +502,21 @@ class SpeculativeDecoder:
             batch_size: for a list of prompts, how many run at once: None = all, 1 = one after
                 another. Each row is what it would be alone (its own γ plan, guard, prompt
                 lookup, seed and stops).
+            logprobs: None, or N in [0, 20]: result.logprobs (and each TokenEvent.logprob) gives
+                every returned token's log-probability under the target's RAW distribution (the
+                log-softmax of its logits, before penalties, processors, grammar, temperature,
+                top-k, top-p and min-p) and the N most likely alternatives.
+            logits_processors: callables with transformers' LogitsProcessor signature,
+                processor(input_ids [1, T] int64, scores [1, V] float32) -> scores, applied after
+                the penalties, to the target's and the draft's logits at every position with
+                that position's whole prefix (prompt + output + drafts before it). A processor
+                must be a function of its arguments: it also sees drafted positions that may be
+                rejected, and one position more than once (hidden state breaks exactness).
+            response_format: OpenAI's {"type": "json_schema", "json_schema": {"schema": {...}}},
+                {"type": "json_object"} or {"type": "text"}: the output follows it (a token
+                mask on p and q); an output that ends by EOS parses.
+            grammar: instead of response_format, an EBNF grammar (GBNF, `root ::= ...`) or
+                "regex:PATTERN".
             lenience: l in (0, 1]; 1 (default) is exact. l < 1 is LOSSY (paper A.5): it changes
                 the output distribution (no token gets more than p(x)/l; greedy keeps a draft
                 token with p(x) >= l·max p) and marks result.stats.lossy.
@@ -442,10 +533,12 @@ class SpeculativeDecoder:
         if batch_size is not None and (not _is_int(batch_size) or batch_size < 1):
             raise ValueError(f"batch_size must be None (all at once) or an integer >= 1, got {batch_size!r}")
         is_batch = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (str, list, tuple))
+        compiled = self.grammar(response_format, grammar)  # once for every prompt
+        extra = {"logprobs": logprobs, "logits_processors": logits_processors, "grammar": compiled}
         if not is_batch:
             if isinstance(sampling, (list, tuple)):
                 raise TypeError("sampling is a list, but there is one prompt: pass one SamplingParams")
-            request = self.request(prompt, self.config(max_new_tokens, sampling, stop, lenience), chat)
+            request = self.request(prompt, self.config(max_new_tokens, sampling, stop, lenience, **extra), chat)
             request_id = self._driver.submit(request, keep_events=stream)
             if stream:
                 return GenerationStream(self._driver, request_id)
@@ -456,7 +549,7 @@ class SpeculativeDecoder:
         if len(samplings) != len(prompt):
             raise ValueError(f"sampling has {len(samplings)} entries for {len(prompt)} prompts; give one per prompt")
         # Validate every prompt before generating any.
-        requests = [self.request(p, self.config(max_new_tokens, s, stop, lenience), chat)
+        requests = [self.request(p, self.config(max_new_tokens, s, stop, lenience, **extra), chat)
                     for p, s in zip(prompt, samplings)]
         return self._run_all(requests, batch_size or len(requests))
 

@@ -75,6 +75,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-map", default=None, choices=["auto", "balanced", "balanced_low_0", "sequential"],
                         help="spread a target too big for one device over the GPUs (and the CPU) with transformers' "
                              "device_map; the draft runs on the target's first device (default: off)")
+    parser.add_argument("--ignore-generation-config", action="store_true",
+                        help="do not apply the target's generation_config defaults (by default its "
+                             "repetition_penalty and no_repeat_ngram_size apply, exactly; other values it sets "
+                             "are named in a warning and not applied)")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress messages, progress bars or summary on stderr (errors still print)")
 
@@ -200,7 +204,8 @@ def decoder_kwargs(args, **extra) -> dict:
                 gamma_schedule=args.gamma_schedule, verification=args.verification, tree_width=args.tree_width,
                 tree_confidence=args.tree_confidence, draft_vocab_limit=args.draft_vocab_limit or "auto",
                 prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft, guard=args.guard,
-                dtype=args.dtype, device_map=args.device_map, **extra)
+                dtype=args.dtype, device_map=args.device_map,
+                use_generation_config=not getattr(args, "ignore_generation_config", False), **extra)
 
 
 def build_decoder(args, progress, **extra):

@@ -23,6 +23,7 @@ no other row's feed is padded to the prompt's length.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -33,8 +34,9 @@ from specdecode.engine.cost import BatchCostModel
 from specdecode.engine.output import Output
 from specdecode.engine.policy import GammaPolicy
 from specdecode.engine.request import (ACCEPTED, BONUS, CORRECTED, TARGET, DecodeConfig, GenerationResult,
-                                       Request, TokenEvent)
+                                       Request, TokenEvent, TokenLogprob)
 from specdecode.engine.stats import GenerationStats
+from specdecode.processors import LogitsPipeline, build_pipeline
 from specdecode.proposers.base import Draft, no_draft
 from specdecode.sampling import SamplingParams, adjust, make_generator, sample
 from specdecode.verify import block_step, greedy_lenient_step, speculative_step, tree_step
@@ -57,7 +59,8 @@ class _Row:
     """One running request's state. `tokens` is its committed sequence (prompt + emitted);
     the target's cache holds all of it but `pending`, which the next forward feeds first."""
 
-    def __init__(self, request_id: int, request: Request, tokenizer, speculative: bool, device):
+    def __init__(self, request_id: int, request: Request, tokenizer, speculative: bool, device,
+                 vocab_size: int | None = None):
         config = request.config
         self.request_id, self.request, self.config = request_id, request, config
         self.sampling: SamplingParams = config.sampling
@@ -69,6 +72,11 @@ class _Row:
         self.stats = GenerationStats(lossy=config.lenience < 1.0 and speculative,
                                      accepted_per_position=[0] * self.policy.k_max)
         self.start = time.perf_counter()
+        # penalties, processors, grammar: None keeps the fast path (specdecode.processors)
+        self.pipeline: LogitsPipeline | None = None
+        if vocab_size is not None:
+            self.pipeline = build_pipeline(config.sampling, len(request.prompt_ids), vocab_size,
+                                           config.logits_processors, config.grammar)
 
     def result(self) -> GenerationResult:
         self.stats.num_generated = len(self.out.token_ids)
@@ -76,19 +84,24 @@ class _Row:
         if self.policy.guard is not None:
             self.stats.num_guard_pauses = self.policy.guard.num_pauses
         return GenerationResult(self.out.text, self.out.token_ids, self.out.finish_reason, self.stats,
-                                self.out.origins)
+                                self.out.origins, self.out.logprobs)
 
 
 def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor, config: DecodeConfig,
-           generator: torch.Generator) -> tuple[int, int]:
+           generator: torch.Generator, pipeline: LogitsPipeline | None = None,
+           committed: list[int] | None = None) -> tuple[int, int]:
     """Step 4 for one row: (drafts accepted, the next token).
 
     Args:
         drafts: [k] int64.  draft_probs: [k, V_draft] q (None when k = 0).
         logits: [k+1, V] the target's raw logits after the pending tokens and each draft.
         config: the row's sampling, lenience and verification rule.  generator: the row's.
+        pipeline: the row's prefix-dependent transforms (rule 9), given the committed tokens:
+            position i's logits are transformed with prefix committed + drafts[:i].
     """
     k = len(drafts)
+    if pipeline is not None:
+        logits = pipeline(committed, drafts.tolist(), logits)
     if config.sampling.greedy:
         # Greedy verification compares argmaxes; at lenience 1 it is the sampling rule on one-hot
         # p and q, without building [k+1, V] one-hots. Lenience must see the target's
@@ -121,6 +134,35 @@ def accept_tree(draft: Draft, logits: torch.Tensor, config: DecodeConfig,
     if config.lenience != 1:
         raise ValueError("token trees are verified exactly: lenience must be 1")
     return tree_step(draft.tokens, list(draft.parents), draft.probs, adjust(logits, config.sampling), generator)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under the target's raw distribution at its position (the
+    log-softmax of the logits, before any processing), with the `top` most likely ids.
+
+    logits: [len(tokens), V] the target's raw logits; row i is the position of tokens[i].
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    if top:
+        values, ids = logprobs.topk(top, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [[] for _ in tokens]
+    return [TokenLogprob(t, lp, alternatives) for t, lp, alternatives in zip(tokens, chosen, tops)]
+
+
+def _cut_to_grammar(row: _Row, draft: Draft) -> Draft:
+    """The draft up to the first token its grammar refuses: that token would be rejected (p = 0),
+    so it and what follows are cut before the target call, at no cost to exactness. (A row with a
+    grammar drafts chains, never trees: DraftModelProposer.)"""
+    k = len(draft.tokens)
+    if row.pipeline is None or row.pipeline.grammar is None or k == 0 or draft.parents is not None:
+        return draft
+    n = row.pipeline.valid_prefix(row.tokens, draft.tokens.tolist())
+    if n == k:
+        return draft
+    return dataclasses.replace(draft, tokens=draft.tokens[:n], probs=draft.probs[:n])
 
 
 def synchronize(device: torch.device) -> None:
@@ -228,6 +270,8 @@ class Engine:
             drafts = self.proposer.propose(rows, ks)
         else:
             drafts = [no_draft(self.target.vocab_size, self.device)] * len(rows)
+        if any(row.pipeline is not None and row.pipeline.grammar is not None for row in rows):
+            drafts = [_cut_to_grammar(row, draft) for row, draft in zip(rows, drafts)]
         synchronize(self.device)
         t1 = time.perf_counter()
         # 3 score: one target call over every row's pending token(s) and drafts. A draft id the
@@ -260,16 +304,20 @@ class Engine:
                 paths.append(path)
                 # the draft model's cache holds the chain: tell it how much of the chain was kept
                 n_kept_in_chain = next((j for j, node in enumerate(path) if node != draft.chain[j]), n)
+                positions = [0] + [node + 1 for node in path]  # logits row of each emitted token
             else:
                 n, token = accept(draft.tokens, draft.probs if k else None, logits[b, width - k - 1:], row.config,
-                                  row.generator)
+                                  row.generator, row.pipeline, row.tokens)
                 new = ids[:n] + [token]
                 origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]
                 paths.append(None)
                 n_kept_in_chain = n
+                positions = list(range(n + 1))
+            logprobs = [None] * len(new) if row.config.logprobs is None else \
+                token_logprobs(logits[b, width - k - 1:][positions], new, row.config.logprobs)
             output = outputs[row.request_id]
-            for token_id, origin in zip(new, origins):
-                output.events.append(row.out.push(token_id, origin))
+            for token_id, origin, logprob in zip(new, origins, logprobs):
+                output.events.append(row.out.push(token_id, origin, logprob))
                 if row.out.finish_reason is not None:
                     break
             # 6 record
@@ -339,7 +387,8 @@ class Engine:
             self.target.add_row(encoder_input, prefix_ids=() if alone else prompt[:-1])
             if self.proposer is not None:
                 self.proposer.add_row(prompt, encoder_input)
-            row = _Row(request_id, request, self.tokenizer, self.proposer is not None, self.device)
+            row = _Row(request_id, request, self.tokenizer, self.proposer is not None, self.device,
+                       self.target.vocab_size)
             if not alone:
                 row.pending = prompt[-1:]
             self.running.append(row)
