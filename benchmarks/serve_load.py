@@ -99,7 +99,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--requests-per-client", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

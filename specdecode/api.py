@@ -4,7 +4,9 @@ validates every input at the boundary, and turns calls into engine requests (spe
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -12,7 +14,7 @@ import torch
 
 from specdecode.engine.driver import Driver
 from specdecode.engine.engine import Engine
-from specdecode.engine.request import DecodeConfig, GenerationResult, Request, TokenEvent
+from specdecode.engine.request import VERIFICATIONS, DecodeConfig, GenerationResult, Request, TokenEvent
 from specdecode.measure.timing import measure_costs
 from specdecode.models import HFCausalLM, Seq2SeqLM, zoo
 from specdecode.models.loading import (check_model_spec, check_same_tokenizer, eos_token_ids, load_model,
@@ -20,6 +22,16 @@ from specdecode.models.loading import (check_model_spec, check_same_tokenizer, e
 from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
+
+MAX_LOGPROBS = 20
+# generation_config keys that do not shape the output distribution (ids, cache and output plumbing)
+_NOT_SAMPLING = {"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "transformers_version",
+                 "_from_model_config", "use_cache", "output_attentions", "output_hidden_states", "output_scores",
+                 "output_logits", "return_dict_in_generate", "cache_implementation", "cache_config",
+                 "return_legacy_cache", "is_assistant", "num_assistant_tokens", "num_assistant_tokens_schedule",
+                 "assistant_confidence_threshold", "_commit_hash"}
+# the ones we apply exactly (on top of the request's own settings)
+_APPLIED = ("repetition_penalty", "no_repeat_ngram_size")
 
 # Defaults, exact, chosen on HumanEval: prompt lookup first; otherwise the draft, with int4
 # weights and eager attention, scoring only the first 32768 ids, drafts up to 8 tokens, stopping
@@ -31,6 +43,8 @@ DEFAULT_GAMMA = 8
 DEFAULT_DRAFT_CONFIDENCE = 0.4
 DEFAULT_GAMMA_SCHEDULE = "fixed"
 DEFAULT_DRAFT_QUANTIZATION = "int4"
+# Token-wise verification until block verification is measured to pay on the default pair.
+DEFAULT_VERIFICATION = "token"
 QUANTIZATIONS = {"int8": 8, "int4": 4, "none": None}  # quantize_draft's kinds → bits
 
 
@@ -105,6 +119,17 @@ class SpeculativeDecoder:
         gamma_schedule: "fixed" drafts up to γ every step; "adaptive" starts at 4, adds 2 after a
             fully accepted block and drops 1 otherwise, within [1, γ] (transformers' "heuristic"
             schedule). Exact either way (the choice looks only at the past).
+        verification: "token" (default) verifies drafts one by one (paper §2.3); "block" verifies
+            each drafted block jointly (Sun et al. 2024, specdecode.verify.block_step): exact too,
+            never fewer accepted drafts in expectation, the same output under greedy decoding.
+            Lenience < 1 (lossy) needs "token".
+        tree_width: with a draft model, draft a token tree (SpecInfer/Sequoia style): at each
+            position where the draft is less than tree_confidence sure of its token, up to
+            tree_width − 1 sibling candidates (sampled without replacement, or the next-best
+            tokens when greedy), all scored in the same target call and verified exactly
+            (specdecode.verify.tree_step). 1 (default) drafts a chain. Needs verification="token"
+            and lenience 1.
+        tree_confidence: in (0, 1], where to branch (default 0.8).
         guard: pause drafting while the request's acceptances say it does not pay (Cor. 3.9's
             α > c checked at run time, specdecode.engine.guard), probing again every 16 steps;
             and, with two or more such requests running, pause them on steps where the loop's
@@ -125,12 +150,20 @@ class SpeculativeDecoder:
         offload_folder: with a device_map that puts layers on "disk": where accelerate keeps them.
         max_batch_size: the most requests decoded together (None: no limit; generate's
             batch_size can lower it per call).
+        use_generation_config: apply the target's own generation_config defaults that we can
+            apply exactly: its repetition_penalty (to requests whose own is 1.0) and
+            no_repeat_ngram_size (transformers' NoRepeatNGramLogitsProcessor). Any other value
+            that would shape transformers' output (temperature, top_k, top_p, do_sample, ...) is
+            NOT applied (SamplingParams stay explicit): a warning names them once, at load.
+            False ignores the generation_config. Default True.
         progress: called with one-line messages while models are assembled and loaded.
     Raises:
         ValueError: unknown model, tokenizers that differ, an encoder–decoder model paired with a
             decoder-only one, draft_vocab_limit on an encoder–decoder draft, γ < 1, unknown dtype,
-            a device that is not available, quantize_draft off the CPU or on a float64 draft,
-            device_map with `device` or with a target given as a loaded model.
+            an unknown verification, tree_width < 1, tree_confidence outside (0, 1], a tree with
+            verification="block" or an encoder–decoder target, a device that is not available,
+            quantize_draft off the CPU or on a float64 draft, device_map with `device` or with a
+            target given as a loaded model.
         FileNotFoundError: the default pair's part packages are not installed.
     """
 
@@ -138,9 +171,10 @@ class SpeculativeDecoder:
                  num_speculative_tokens: int = DEFAULT_GAMMA, draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
                  draft_vocab_limit: int | str | None = "auto", prompt_lookup: bool | None = None,
                  quantize_draft: bool | str | None = None, gamma_schedule: str = DEFAULT_GAMMA_SCHEDULE,
+                 verification: str = DEFAULT_VERIFICATION, tree_width: int = 1, tree_confidence: float = 0.8,
                  guard: bool = True, guard_costs: tuple[float, float] | None = None, dtype=None, device=None,
                  device_map=None, offload_folder: str | None = None, max_batch_size: int | None = None,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, use_generation_config: bool = True):
         if not _is_int(num_speculative_tokens) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
         if isinstance(draft_confidence, bool) or not isinstance(draft_confidence, (int, float)) \
@@ -148,6 +182,15 @@ class SpeculativeDecoder:
             raise ValueError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
         if gamma_schedule not in ("fixed", "adaptive"):
             raise ValueError(f"gamma_schedule must be 'fixed' or 'adaptive', got {gamma_schedule!r}")
+        if verification not in VERIFICATIONS:
+            raise ValueError(f"verification must be one of {', '.join(map(repr, VERIFICATIONS))}, got {verification!r}")
+        if not _is_int(tree_width) or tree_width < 1:
+            raise ValueError(f"tree_width must be an integer >= 1 (1 = a chain), got {tree_width!r}")
+        if isinstance(tree_confidence, bool) or not isinstance(tree_confidence, (int, float)) \
+                or not 0 < tree_confidence <= 1:
+            raise ValueError(f"tree_confidence must be in (0, 1], got {tree_confidence!r}")
+        if tree_width > 1 and verification != "token":
+            raise ValueError("token trees are verified by their own rule: tree_width > 1 needs verification='token'")
         if guard_costs is not None and (len(guard_costs) != 2 or not all(x >= 0 for x in guard_costs)):
             raise ValueError(f"guard_costs must be two numbers >= 0 (c, slope), got {guard_costs!r}")
         if not (quantize_draft is None or isinstance(quantize_draft, bool) or quantize_draft in QUANTIZATIONS):
@@ -160,6 +203,8 @@ class SpeculativeDecoder:
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_confidence = draft_confidence
         self.gamma_schedule = gamma_schedule
+        self.verification = verification
+        self.tree_width, self.tree_confidence = tree_width, tree_confidence
         self.prompt_lookup = (draft is not None) if prompt_lookup is None else prompt_lookup
         self.dtype = parse_dtype(dtype)
         if device_map is not None and (device is not None or isinstance(target, torch.nn.Module)):
@@ -188,11 +233,15 @@ class SpeculativeDecoder:
             raise ValueError(f"target {self.target.name!r} is an encoder-decoder model; the zoo draft "
                              f"{draft!r} is decoder-only. Pass an encoder-decoder draft (e.g. "
                              "google/flan-t5-small for a flan-t5 target) or draft=None")
+        if self.is_encoder_decoder and tree_width > 1:
+            raise ValueError("token trees (tree_width > 1) need a decoder-only target")
         if draft is not None:
             self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, quantize_draft)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
             self._check_pair()
         self.eos_token_ids = eos_token_ids(self.target.backend.model, self.tokenizer)
+        self.generation_defaults = self._generation_defaults() if use_generation_config else {}
+        self._grammar_compiler = None
         self.guard_costs = None  # None: no guard
         if guard and self.draft is not None:
             self.guard_costs = guard_costs or self._measure_guard_costs(progress)
@@ -204,6 +253,39 @@ class SpeculativeDecoder:
         if self.device.type != "cpu" and quantize_draft not in (None, False, "none"):
             raise ValueError(f"quantize_draft={quantize_draft!r}: the int8/int4 draft kernels run on the CPU only; "
                              f"on {self.device} pass quantize_draft=None or 'none'")
+
+    def _generation_defaults(self) -> dict:
+        """The target's generation_config values we apply ({name: value}); warns once about the rest."""
+        config = getattr(self.target.backend.model, "generation_config", None)
+        if config is None:
+            return {}
+        diff = {k: v for k, v in config.to_diff_dict().items() if k not in _NOT_SAMPLING}
+        applied = {}
+        if diff.get("repetition_penalty") not in (None, 1.0):
+            applied["repetition_penalty"] = float(diff["repetition_penalty"])
+        if diff.get("no_repeat_ngram_size"):
+            applied["no_repeat_ngram_size"] = int(diff["no_repeat_ngram_size"])
+        ignored = sorted(k for k in diff if k not in _APPLIED)
+        if ignored:
+            warnings.warn(f"the target's generation_config sets {', '.join(f'{k}={diff[k]!r}' for k in ignored)}: "
+                          "not applied (pass them in SamplingParams); applied: "
+                          f"{', '.join(f'{k}={v!r}' for k, v in applied.items()) or 'nothing'}", stacklevel=3)
+        return applied
+
+    def grammar(self, response_format=None, grammar: str | None = None):
+        """The compiled specdecode.grammar.Grammar for a response_format or grammar string (None for neither).
+
+        Raises:
+            ValueError: an invalid response_format, schema, regex or grammar (the engine's message).
+            ImportError: xgrammar is not installed.
+        """
+        if response_format is None and grammar is None:
+            return None
+        if self._grammar_compiler is None:
+            from specdecode.grammar import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.target.backend.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler.compile(response_format, grammar)
 
     def _check_pair(self) -> None:
         if self.is_encoder_decoder != isinstance(self.draft.backend, Seq2SeqLM):
@@ -267,21 +349,30 @@ class SpeculativeDecoder:
                              "draft_vocab_limit=None with an encoder-decoder draft")
         return Seq2SeqLM(model)
 
-    def _proposer(self, draft_backend=None):
-        """A new proposer as configured; draft_backend replaces the draft's own (the benchmark wraps it)."""
+    def _proposer(self, draft_backend=None, tree_width: int | None = None):
+        """A new proposer as configured; draft_backend replaces the draft's own (the benchmark wraps
+        it), tree_width the configured one (the benchmark compares them)."""
         draft_backend = draft_backend or (self.draft.backend if self.draft is not None else None)
-        proposer = DraftModelProposer(draft_backend, self.draft_confidence) if draft_backend is not None else None
+        width = self.tree_width if tree_width is None else tree_width
+        proposer = DraftModelProposer(draft_backend, self.draft_confidence, width, self.tree_confidence) \
+            if draft_backend is not None else None
         if self.prompt_lookup:
             proposer = PromptLookupProposer(self.target.backend.vocab_size, fallback=proposer)
         return proposer
 
     def config(self, max_new_tokens: int, sampling: SamplingParams | None = None, stop=None,
-               lenience: float = 1.0) -> DecodeConfig:
-        """The DecodeConfig of a request with these settings (validated) on this decoder.
+               lenience: float = 1.0, logprobs: int | None = None, logits_processors=None,
+               response_format=None, grammar=None) -> DecodeConfig:
+        """The DecodeConfig of a request with these settings (validated) on this decoder; the
+        target's generation_config defaults are applied here (see use_generation_config).
 
+        `grammar` may also be an already compiled specdecode.grammar.Grammar (see `grammar()`).
         Raises:
             TypeError: an argument of the wrong type (named).
-            ValueError: max_new_tokens < 1, an empty stop string, lenience outside (0, 1].
+            ValueError: max_new_tokens < 1, an empty stop string, lenience outside (0, 1], lenience
+                < 1 on a decoder with verification="block" or tree_width > 1, logprobs outside
+                [0, 20], a logits processor that is not callable, an invalid response_format,
+                schema or grammar.
         """
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -299,15 +390,38 @@ class SpeculativeDecoder:
             raise ValueError("stop strings must be non-empty")
         if isinstance(lenience, bool) or not isinstance(lenience, (int, float)) or not 0 < lenience <= 1:
             raise ValueError(f"lenience must be a number in (0, 1] (1 = exact; below 1 is lossy), got {lenience!r}")
+        if lenience != 1 and self.tree_width > 1:
+            raise ValueError(f"lenience {lenience} (lossy) needs tree_width=1; token trees are verified exactly")
+        if lenience != 1 and self.verification == "block":
+            raise ValueError(f"lenience {lenience} (lossy) needs verification='token'; this decoder verifies "
+                             "blocks, which is exact only")
         # A seeded sampled request must give the same output alone, in a batch and in another
         # process (which measures its own c): the guard stays out of it. Exact greedy output
         # does not depend on when drafting pauses (up to bf16 near-ties); lenient greedy does
         # (a paused step emits the argmax), so it is not guarded either.
         guarded = lenience == 1 if sampling.greedy else sampling.seed is None
+        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (alternatives per token), "
+                             f"got {logprobs!r}")
+        processors = list(logits_processors or ())
+        if not all(callable(p) for p in processors):
+            raise ValueError("logits_processors must be callables processor(input_ids [1, T], scores [1, V]) -> scores")
+        from specdecode.grammar import Grammar
+
+        compiled = grammar if isinstance(grammar, Grammar) else self.grammar(response_format, grammar)
+        defaults = self.generation_defaults
+        if "repetition_penalty" in defaults and sampling.repetition_penalty == 1.0:
+            sampling = dataclasses.replace(sampling, repetition_penalty=defaults["repetition_penalty"])
+        if "no_repeat_ngram_size" in defaults:
+            from transformers import NoRepeatNGramLogitsProcessor
+
+            processors.insert(0, NoRepeatNGramLogitsProcessor(defaults["no_repeat_ngram_size"]))
         return DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling,
                             num_speculative_tokens=self.num_speculative_tokens, eos_token_ids=self.eos_token_ids,
                             stop=tuple(stops), lenience=float(lenience),
-                            costs=self.guard_costs if guarded else None, gamma_schedule=self.gamma_schedule)
+                            costs=self.guard_costs if guarded else None, gamma_schedule=self.gamma_schedule,
+                            verification=self.verification, logprobs=logprobs,
+                            logits_processors=tuple(processors), grammar=compiled)
 
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
         """A string (chat template applied per `chat`) or token ids → validated token ids. For an
@@ -369,7 +483,8 @@ class SpeculativeDecoder:
 
     def generate(self, prompt, *, max_new_tokens: int = 256, sampling: SamplingParams | list | None = None,
                  stop: list[str] | str | None = None, stream: bool = False, chat: bool | None = None,
-                 batch_size: int | None = None, lenience: float = 1.0):
+                 batch_size: int | None = None, lenience: float = 1.0, logprobs: int | None = None,
+                 logits_processors=None, response_format=None, grammar: str | None = None):
         """Generate a continuation whose distribution is exactly the target's (paper §2.3).
 
         Args:
@@ -387,6 +502,21 @@ class SpeculativeDecoder:
             batch_size: for a list of prompts, how many run at once: None = all, 1 = one after
                 another. Each row is what it would be alone (its own γ plan, guard, prompt
                 lookup, seed and stops).
+            logprobs: None, or N in [0, 20]: result.logprobs (and each TokenEvent.logprob) gives
+                every returned token's log-probability under the target's RAW distribution (the
+                log-softmax of its logits, before penalties, processors, grammar, temperature,
+                top-k, top-p and min-p) and the N most likely alternatives.
+            logits_processors: callables with transformers' LogitsProcessor signature,
+                processor(input_ids [1, T] int64, scores [1, V] float32) -> scores, applied after
+                the penalties, to the target's and the draft's logits at every position with
+                that position's whole prefix (prompt + output + drafts before it). A processor
+                must be a function of its arguments: it also sees drafted positions that may be
+                rejected, and one position more than once (hidden state breaks exactness).
+            response_format: OpenAI's {"type": "json_schema", "json_schema": {"schema": {...}}},
+                {"type": "json_object"} or {"type": "text"}: the output follows it (a token
+                mask on p and q); an output that ends by EOS parses.
+            grammar: instead of response_format, an EBNF grammar (GBNF, `root ::= ...`) or
+                "regex:PATTERN".
             lenience: l in (0, 1]; 1 (default) is exact. l < 1 is LOSSY (paper A.5): it changes
                 the output distribution (no token gets more than p(x)/l; greedy keeps a draft
                 token with p(x) >= l·max p) and marks result.stats.lossy.
@@ -396,16 +526,19 @@ class SpeculativeDecoder:
         Raises:
             ValueError: bad prompt (any prompt of a batch, before anything is generated),
                 max_new_tokens < 1, empty stop string, batch_size not None or >= 1, stream=True
-                with a list, lenience outside (0, 1], a list of sampling of the wrong length.
+                with a list, lenience outside (0, 1] (or < 1 with verification="block"), a list
+                of sampling of the wrong length.
             TypeError: an argument of the wrong type (named).
         """
         if batch_size is not None and (not _is_int(batch_size) or batch_size < 1):
             raise ValueError(f"batch_size must be None (all at once) or an integer >= 1, got {batch_size!r}")
         is_batch = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (str, list, tuple))
+        compiled = self.grammar(response_format, grammar)  # once for every prompt
+        extra = {"logprobs": logprobs, "logits_processors": logits_processors, "grammar": compiled}
         if not is_batch:
             if isinstance(sampling, (list, tuple)):
                 raise TypeError("sampling is a list, but there is one prompt: pass one SamplingParams")
-            request = self.request(prompt, self.config(max_new_tokens, sampling, stop, lenience), chat)
+            request = self.request(prompt, self.config(max_new_tokens, sampling, stop, lenience, **extra), chat)
             request_id = self._driver.submit(request, keep_events=stream)
             if stream:
                 return GenerationStream(self._driver, request_id)
@@ -416,7 +549,7 @@ class SpeculativeDecoder:
         if len(samplings) != len(prompt):
             raise ValueError(f"sampling has {len(samplings)} entries for {len(prompt)} prompts; give one per prompt")
         # Validate every prompt before generating any.
-        requests = [self.request(p, self.config(max_new_tokens, s, stop, lenience), chat)
+        requests = [self.request(p, self.config(max_new_tokens, s, stop, lenience, **extra), chat)
                     for p, s in zip(prompt, samplings)]
         return self._run_all(requests, batch_size or len(requests))
 

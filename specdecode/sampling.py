@@ -28,13 +28,21 @@ class SamplingParams:
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 keeps all.
     min_p: drop tokens whose probability is below min_p × the top token's; 0.0 keeps all.
     seed: seeds the request's torch.Generator; None draws a fresh seed.
+    repetition_penalty: > 0, 1.0 = off; transformers' semantics (RepetitionPenaltyLogitsProcessor):
+        the logit of every id in the prefix, prompt included, is divided by it if positive and
+        multiplied by it if negative.
+    presence_penalty, frequency_penalty: in [-2, 2], 0.0 = off; OpenAI's semantics over the
+        generated tokens only: logit −= frequency_penalty × count + presence_penalty × [count > 0].
+    The penalties apply to the raw logits before temperature and the filters, at every position
+    from the prefix up to it, on the target's side and the draft's (specdecode.processors).
     Float fields take any real number but a bool (an int is fine), integer fields any integer but
     a bool; numpy scalars are stored as the Python float or int.
 
     Raises:
         TypeError: a field of the wrong type (the message names the field).
         ValueError: on a negative or infinite temperature, a negative top_k, top_p outside (0, 1],
-            min_p outside [0, 1), a seed outside [-2**63, 2**64).
+            min_p outside [0, 1), a seed outside [-2**63, 2**64), repetition_penalty <= 0 or
+            infinite, presence_penalty or frequency_penalty outside [-2, 2].
     """
 
     temperature: float = 1.0
@@ -42,6 +50,9 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         self._check_types()
@@ -55,12 +66,18 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
         if self.seed is not None and not -2**63 <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be finite and > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
 
     def _check_types(self) -> None:
         """TypeError on a wrong type; numbers are stored as the field's Python type (torch refuses
         numpy integers as a seed)."""
         for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float),
-                           ("seed", int)):
+                           ("seed", int), ("repetition_penalty", float), ("presence_penalty", float),
+                           ("frequency_penalty", float)):
             value = getattr(self, name)
             if name == "seed" and value is None:
                 continue
@@ -71,6 +88,10 @@ class SamplingParams:
                 object.__setattr__(self, name, kind(value))
             except OverflowError:  # an int beyond float's range, e.g. temperature=10**400
                 raise ValueError(f"{name} must be finite, got {value!r}") from None
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:

@@ -155,3 +155,185 @@ def greedy_lenient_step(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
     next_token = argmax[torch.arange(batch, device=draft_tokens.device), num_accepted]
     return num_accepted, next_token
+
+
+# --- block verification ---------------------------------------------------------------------------
+#
+# Sun, Mendlovic, Leviathan, Aharoni, Ro, Beirami, Suresh, "Block Verification Accelerates
+# Speculative Decoding" (ICLR 2025, arXiv 2403.10444). Derivation (ours), for drafts x_1..x_k with
+# Q(x^i) = Π q, P(x^i) = Π p along the block:
+#   weights   w_0 = 1,  w_i = min(1, w_{i-1} · p_i(x_i) / q_i(x_i))
+#   residual  r_i(y) = max(0, w_i · p_{i+1}(y | x^i) − q_{i+1}(y | x^i)),  R_i = Σ_y r_i(y)
+#   stop      h_i = R_i / (R_i + 1 − w_i) for 1 ≤ i < k (0 where both terms vanish), h_k = w_k
+#   τ = the largest i in 1..k with η_i < h_i (η i.i.d. uniform), else 0; keep x^τ, then draw
+#   from p_{k+1} if τ = k, else from norm(r_τ).
+# Backward induction over i gives Pr[τ < i | x^i] = 1 − w_i, since E_{x_{i+1}~q}[1 − w_{i+1}] =
+# Σ_y max(0, q − w_i p) = R_i + 1 − w_i. Hence Pr[τ ≥ i, X^i = x^i] = w_i Q(x^i) =: W_i and
+# Pr[τ = i, X^i = x^i, Y = y] = max(0, W_i p(y | x^i) − Q(x^i y)). Then by induction on m,
+# P(z^m) − W_m(z^m) = Σ_{i<m} max(0, W_i p − Q)(z^{i+1}) · P(z_{i+2..m} | z^{i+1}), which is
+# exactly the probability that the emitted block, continued by the target, starts with z^m via
+# an earlier stop: the output follows P. Since W_i = min(W_{i-1} p_i, Q(x^i)) ≥ Π min(p_j, q_j),
+# E[τ] = Σ_i Σ W_i is never below the token-wise rule's. The proof holds when k is itself chosen
+# by the draft side as it drafts (dynamic γ): a stop at i is the case h_i = w_i.
+
+
+def block_acceptance_probs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
+                           target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block rule's stop probabilities h_1..h_k and weights w_0..w_k (Sun et al. 2024, Alg. 2).
+
+    Args:
+        draft_tokens: [B, k] int64.
+        draft_probs:  [B, k, V_draft] float32, q; zero-padded to V if smaller.
+        target_probs: [B, k(+1), V] float32, p; only the first k positions are used.
+    Returns:
+        stop_probs: [B, k] float64, h_i at column i − 1: τ is the largest i with η_i < h_i.
+        weights:    [B, k+1] float64, w_0 = 1 .. w_k in [0, 1]. A drafted id with q = 0 or outside
+            the target's vocabulary gets ratio 0: w is 0 from there on (rejected, never NaN).
+    """
+    batch, k = draft_tokens.shape
+    vocab_size = target_probs.shape[-1]
+    q = match_vocab(draft_probs, vocab_size)
+    in_vocab = draft_tokens < vocab_size
+    index = torch.where(in_vocab, draft_tokens, 0).unsqueeze(-1)
+    p_x = target_probs[:, :k].gather(-1, index).squeeze(-1).double()
+    q_x = q.gather(-1, index).squeeze(-1).double()
+    valid = in_vocab & (q_x > 0)
+    # float64: p/q for a q near float32's smallest subnormal would overflow float32.
+    log_ratio = torch.where(valid, (p_x / torch.where(valid, q_x, 1.0)).log(), -torch.inf)
+    # log w_i = min(0, log w_{i-1} + log ratio_i) is S_i − max(0, S_1..S_i) for S = cumsum(log ratio).
+    zero = torch.zeros((batch, 1), dtype=torch.float64, device=draft_tokens.device)
+    s = torch.cat([zero, log_ratio.cumsum(1)], 1)
+    running_max = s.clamp(min=0).cummax(1).values
+    weights = torch.where(s == -torch.inf, 0.0, (s - running_max).exp())
+    # R_i for i = 1..k-1 (the residual after keeping x^i), summed in float64.
+    w_inner = weights[:, 1:k]
+    mass = (w_inner.unsqueeze(-1).to(target_probs.dtype) * target_probs[:, 1:k] - q[:, 1:k]).clamp(min=0.0
+                                                                                                   ).sum(-1, dtype=torch.float64)
+    denominator = mass + 1 - w_inner
+    inner = torch.where(denominator > 0, mass / torch.where(denominator > 0, denominator, 1.0), 0.0)
+    return torch.cat([inner, weights[:, k:k + 1] if k else weights[:, :0]], 1), weights
+
+
+def block_residual(target_probs: torch.Tensor, draft_probs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, w · p − q)): where block verification draws after keeping i drafts, with w = w_i.
+
+    Args:
+        target_probs: [..., V] float32, p at the position after the kept drafts.
+        draft_probs:  [..., V_draft] float32, q there.   weight: [...] float, w_i in [0, 1].
+    Returns:
+        [..., V] float32, normalized; falls back to p where the residual has no mass (then
+        stopping there has probability 0), so it is never NaN.
+    """
+    weight = torch.as_tensor(weight, dtype=target_probs.dtype, device=target_probs.device).unsqueeze(-1)
+    residual = (weight * target_probs - match_vocab(draft_probs, target_probs.shape[-1])).clamp(min=0.0)
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), target_probs)
+
+
+def block_step(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+               generator: torch.Generator | None = None, lenience: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep a prefix of the draft chosen by verifying the block jointly (Sun et al. 2024, Alg. 2).
+
+    Exact like speculative_step (the emitted tokens follow p), and keeps at least as many drafts
+    in expectation. With one draft, or with one-hot p and q (greedy), it is the token-wise rule.
+
+    Args:
+        draft_tokens: [B, k] int64; token i was sampled from draft_probs[:, i].
+        draft_probs:  [B, k, V_draft] float32, q; rows sum to 1; zero-padded to V if smaller.
+        target_probs: [B, k+1, V] float32, p; row k is used only if all k are kept.
+        generator: the request's torch.Generator; draws k uniforms, then one sample (as
+            speculative_step, so a seed reproduces).
+        lenience: must be 1.0: the block rule has no lossy variant here (kept in the signature
+            so that the two rules are interchangeable).
+    Returns:
+        num_accepted: [B] int64 in [0, k], τ.
+        next_token:   [B] int64 from norm(max(0, w_τ p_τ − q_τ)) if τ < k, else from p[:, k].
+    Raises:
+        ValueError: if shapes disagree (all three are printed) or lenience is not 1.
+    """
+    _check_shapes(draft_tokens, draft_probs, target_probs)
+    if lenience != 1:
+        raise ValueError(f"block verification is exact only: lenience must be 1, got {lenience} "
+                         "(use the token-wise rule for lossy lenience)")
+    batch, k = draft_tokens.shape
+    stop_probs, weights = block_acceptance_probs(draft_tokens, draft_probs, target_probs)
+    uniforms = torch.rand((batch, k), generator=generator, device=draft_tokens.device)
+    # τ = the largest i with η_i < h_i: positions 1..k where it holds, the last of them, or 0.
+    hits = (uniforms.double() < stop_probs).long() * torch.arange(1, k + 1, device=draft_tokens.device)
+    num_accepted = hits.amax(1) if k else torch.zeros(batch, dtype=torch.long, device=draft_tokens.device)
+    # q at position k is all zeros, so w_k p_{k+1} normalized is p_{k+1}: the bonus needs no branch.
+    q_ext = torch.nn.functional.pad(match_vocab(draft_probs, target_probs.shape[-1]), (0, 0, 0, 1))
+    rows = torch.arange(batch, device=draft_tokens.device)
+    w_n = torch.where(num_accepted == k, 1.0, weights[rows, num_accepted])
+    next_probs = block_residual(target_probs[rows, num_accepted], q_ext[rows, num_accepted], w_n)
+    next_token = torch.multinomial(next_probs, 1, generator=generator).squeeze(-1)
+    return num_accepted, next_token
+
+
+# --- token trees ------------------------------------------------------------------------------------
+#
+# A draft tree (SpecInfer, Miao et al. 2024; Sequoia, Chen et al. 2024): node i holds a token drawn
+# from draft_probs[i] (its q, given the path to its parent and the siblings drawn before it), and
+# the target scores every node in one call. Verification walks down from the root. At a node,
+# with r = p(· | path), the children are tried in the order they were drawn: child c is accepted
+# with probability min(1, r(c) / q_c(c)); a rejection replaces r by norm(max(0, r − q_c)). Each
+# trial is one step of the paper's rule with target r and draft q_c, so whatever survives the
+# trials is distributed as r: the token leaving the node (an accepted child, or a draw from the
+# final r) follows p exactly, by induction over the siblings, and then over the depth. This holds
+# for i.i.d. siblings (q_c = q), for siblings drawn without replacement (q_c = q renormalized
+# without the earlier ones) and for deterministic top-k siblings (one-hot q_c); greedy p and q
+# give "follow the child that is the target's argmax". A tree may be shaped by the draft's own
+# distributions, but a drawn sibling must never be dropped because of its value.
+
+
+def tree_step(tree_tokens: torch.Tensor, parents: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
+              generator: torch.Generator | None = None) -> tuple[list[int], int, bool]:
+    """Keep the longest accepted path of a draft tree, then sample one token (multi-draft rule).
+
+    Args:
+        tree_tokens: [N] int64, node i's token.
+        parents: N ints, node i's parent (-1 for a child of the root, else an index below i).
+            Siblings are tried in index order, which must be the order they were drawn in.
+        draft_probs: [N, V_draft] float32, the q node i was drawn from (one-hot if chosen
+            deterministically); zero-padded to V if smaller.
+        target_probs: [N+1, V] float32: row 0 is p after the committed prefix, row i+1 is p after
+            the path to node i.
+        generator: the request's torch.Generator (a uniform per tried child, then one sample).
+    Returns:
+        path: the accepted nodes, root to leaf (node indices).
+        next_token: from the last residual if the final node's children were all rejected, else
+            (no children) from p after the final node.
+        rejected: whether the step ended with a rejection (the next token is a correction).
+    Raises:
+        ValueError: shapes that disagree, or a parent that is not an earlier node.
+    """
+    n = tree_tokens.shape[0]
+    if tree_tokens.dim() != 1 or len(parents) != n or draft_probs.shape[0] != n or target_probs.shape[0] != n + 1:
+        raise ValueError(f"expected tree_tokens [N], N parents, draft_probs [N, V_draft], target_probs [N+1, V]; got "
+                         f"{tuple(tree_tokens.shape)}, {len(parents)}, {tuple(draft_probs.shape)}, "
+                         f"{tuple(target_probs.shape)}")
+    if any(not -1 <= parent < i for i, parent in enumerate(parents)):
+        raise ValueError(f"every parent must be -1 or an earlier node, got {list(parents)}")
+    vocab_size = target_probs.shape[-1]
+    q = match_vocab(draft_probs, vocab_size)
+    tokens = tree_tokens.tolist()
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+    path, node, rejected = [], -1, False
+    while True:
+        r = target_probs[node + 1]
+        chosen = None
+        for child in children.get(node, []):
+            token = tokens[child]
+            q_x = float(q[child, token]) if token < vocab_size else 0.0
+            accept = min(1.0, float(r[token]) / q_x) if q_x > 0 else 0.0
+            if float(torch.rand((), generator=generator, device=tree_tokens.device)) < accept:
+                chosen = child
+                break
+            r = residual_distribution(r, q[child])
+            rejected = True
+        if chosen is None:
+            return path, int(torch.multinomial(r, 1, generator=generator)), rejected
+        path.append(chosen)
+        node, rejected = chosen, False

@@ -379,3 +379,27 @@ def test_the_guard_stays_out_of_seeded_sampling_and_lenient_greedy(model_dirs):
 def test_lenience_without_a_draft_is_not_lossy(model_dirs):
     plain = SpeculativeDecoder(model_dirs["target"], None, dtype="float32")
     assert not plain.generate("abc", max_new_tokens=5, lenience=0.5).stats.lossy
+
+
+def test_generate_takes_logprobs_processors_and_grammars_and_checks_them(decoder, model_dirs):
+    greedy = SamplingParams(temperature=0)
+    plain = SpeculativeDecoder(model_dirs["target"], None, dtype="float32")
+    ban_last = lambda ids, scores: scores.index_fill(1, ids[0, -1:], float("-inf"))  # noqa: E731
+    kwargs = dict(max_new_tokens=16, sampling=greedy, logprobs=1, logits_processors=[ban_last],
+                  grammar="regex:(ab|cd|ef)+[.]", chat=False)
+    spec_result, plain_result = decoder.generate("abc", **kwargs), plain.generate("abc", **kwargs)
+    assert spec_result.token_ids == plain_result.token_ids
+    assert len(spec_result.logprobs) == len(spec_result.token_ids)
+    assert all(a != b for a, b in zip(spec_result.token_ids, spec_result.token_ids[1:]))  # the processor held
+    assert [r.token_ids for r in decoder.generate(["abc", "abc"], **kwargs)] == [spec_result.token_ids] * 2
+    for bad, message in ((dict(logprobs=21), "logprobs must be"), (dict(logprobs=True), "logprobs must be"),
+                         (dict(logits_processors=[1]), "logits_processors must be"),
+                         (dict(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}),
+                          "invalid JSON schema"),
+                         (dict(grammar="root ::= ("), "invalid grammar")):
+        with pytest.raises(ValueError, match=message):
+            decoder.generate("abc", max_new_tokens=4, **bad)
+    with pytest.raises(ValueError, match="repetition_penalty must be"):
+        SamplingParams(repetition_penalty=0)
+    with pytest.raises(ValueError, match="presence_penalty must be"):
+        SamplingParams(presence_penalty=2.5)

@@ -142,6 +142,13 @@ def test_summary_of_a_one_token_run_says_1_token(model_dirs, capsys):
     (["generate", "@/no/such/file.txt"], "cannot read the prompt: [Errno 2] No such file or directory"),
     (["alpha", "--prompts", "0"], "--prompts and --max-new-tokens must be >= 1"),
     (["bench", "--new-tokens", "1"], "--new-tokens >= 2"),
+    (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be > 0 (1 = off), got 0.0"),
+    (["generate", "hi", "--presence-penalty", "2.5"], "--presence-penalty must be in [-2, 2] (0 = off), got 2.5"),
+    (["generate", "hi", "--frequency-penalty", "-3"], "--frequency-penalty must be in [-2, 2] (0 = off), got -3.0"),
+    (["generate", "hi", "--logprobs", "21", "--json"], "--logprobs must be in [0, 20], got 21"),
+    (["generate", "hi", "--logprobs", "2"], "--logprobs is printed in the --json output: add --json"),
+    (["generate", "hi", "--json-schema", "/no/such/schema.json"], "--json-schema: cannot read /no/such/schema.json"),
+    (["generate", "hi", "--grammar", "/no/such/g.ebnf"], "--grammar: cannot read /no/such/g.ebnf"),
 ])
 def test_bad_flags_exit_2_with_one_error_line(args, message, capsys):
     with pytest.raises(SystemExit, match="^2$"):
@@ -266,3 +273,34 @@ def test_the_readmes_generate_examples_run_as_written_from_the_repo_root(long_mo
             assert len(records) == (4 if "--prompts-file" in argv else 1), line
         ran.append(line)
     assert len(ran) == 6, ran
+
+
+def test_generate_json_with_logprobs_penalties_and_a_grammar(model_dirs, tmp_path, capsys):
+    grammar = tmp_path / "g.txt"
+    grammar.write_text("regex:(ab|cd)+[.]")
+    base = ["generate", "abc", "--target", model_dirs["target"], "--draft", model_dirs["draft"], "--dtype", "float32",
+            "--temperature", "0", "--max-new-tokens", "12", "--quiet", "--json", "--raw"]
+    assert main(base + ["--logprobs", "2", "--repetition-penalty", "1.3", "--grammar", str(grammar)]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert len(record["logprobs"]) == len(record["token_ids"]) and len(record["logprobs"][0]["top"]) == 2
+    import re
+    assert re.fullmatch("(ab|cd)*a?c?([.])?", record["text"])
+    plain = ["generate", "abc", "--target", model_dirs["target"], "--draft", "none", "--dtype", "float32",
+             "--temperature", "0", "--max-new-tokens", "12", "--quiet", "--json", "--raw"]
+    assert main(plain + ["--repetition-penalty", "1.3", "--grammar", str(grammar)]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == record["token_ids"]
+
+
+def test_an_invalid_schema_or_grammar_exits_2_with_the_engines_message(model_dirs, tmp_path, capsys):
+    schema, grammar = tmp_path / "s.json", tmp_path / "g.ebnf"
+    schema.write_text('{"type": "nope"}')
+    grammar.write_text("root ::= (")
+    base = ["generate", "abc", "--target", model_dirs["target"], "--draft", "none", "--dtype", "float32", "--quiet"]
+    assert main(base + ["--json-schema", str(schema)]) == 2
+    assert capsys.readouterr().err.strip() == 'specdecode: error: invalid JSON schema: Unsupported type "nope"'
+    assert main(base + ["--grammar", str(grammar)]) == 2
+    assert capsys.readouterr().err.strip().startswith("specdecode: error: invalid grammar: EBNF parser error")
+    schema.write_text("{not json")
+    with pytest.raises(SystemExit, match="^2$"):
+        main(base + ["--json-schema", str(schema)])
+    assert "is not JSON" in capsys.readouterr().err

@@ -76,6 +76,35 @@ def test_a_row_that_joins_mid_flight_equals_its_solo_run():
     assert first_result.token_ids == solo(target, draft, PROMPTS[0], MIXED[1]).token_ids
 
 
+class FeedLog(HFCausalLM):
+    """Records the widest feed of every batched forward."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.widths = []
+
+    def forward(self, feeds, num_logits):
+        self.widths.append((len(feeds), max(len(f) for f in feeds)))
+        return super().forward(feeds, num_logits)
+
+
+def test_a_row_joining_others_reads_its_prompt_alone_and_no_feed_is_padded_to_it():
+    # Reading a long prompt inside the batched forward would pad every other row's feed to its
+    # length (B × L token reads); joining rows read it in a forward of their own instead.
+    target, draft = FeedLog(tiny_llama(0)), FeedLog(tiny_llama(1, layers=1))
+    long_prompt = list(range(3, 43))
+    engine = Engine(target, DraftModelProposer(draft))
+    driver = Driver(engine)
+    first = driver.submit(Request([5, 17, 33, 2], config(20, k=3)))
+    driver.step()
+    late = [driver.submit(Request(long_prompt, config(12, k=3))), driver.submit(Request([9, 9, 41], config(12)))]
+    results = [driver.result(i) for i in [first, *late]]
+    batched = [w for b, w in target.widths + draft.widths if b > 1]
+    assert batched and max(batched) <= 4  # a verify of k = 3 drafts, never the 40-token prompt
+    for prompt, got in zip([[5, 17, 33, 2], long_prompt, [9, 9, 41]], results):
+        assert got.token_ids == run(target, None, prompt, config(len(got.token_ids))).token_ids
+
+
 def test_an_aborted_row_frees_its_slot_and_changes_no_other_row():
     target, draft = tables()
     engine = Engine(target, DraftModelProposer(draft), max_batch_size=2)
@@ -231,3 +260,22 @@ def test_the_batch_guard_keeps_drafting_when_verifying_is_as_cheap_as_a_plain_st
     batch = run_all(target, DraftModelProposer(same), [Request(p, _guarded()) for p in prompts], batch_guard=True)
     # one plain step times that kind of step; after it, drafting always pays here
     assert all(r.stats.num_batch_caps <= 1 and r.stats.mean_tokens_per_call > 4 for r in batch)
+
+
+def test_a_guard_whose_costs_were_measured_under_a_load_spike_recovers_from_the_loops_own_timings():
+    # c measured at start-up during a spike: 5 target calls per draft forward, where a draft forward
+    # really costs 1/20 of a target call and the draft is the target itself (every draft accepted).
+    # With the start-up c alone the guard would pause drafting for the whole run (issue 13 item 4).
+    target = TimedTable(8, seed=0, sharpness=1.0, fixed=0.01)
+    draft = TimedTable(8, seed=0, sharpness=1.0, fixed=0.0005)
+    cfg = config(120, k=4, costs=(5.0, 0.0))
+    [got] = run_all(target, DraftModelProposer(draft), [Request([1, 2, 3], cfg)], batch_guard=True)
+    # one pause (16 plain steps) times a plain step; every step after it drafts: 120 tokens in ~40
+    # calls, where a guard stuck on the start-up c pauses after every probe (~1.4 tokens per call)
+    assert got.stats.num_guard_pauses == 1 and got.stats.mean_tokens_per_call > 2.5
+    assert got.token_ids == run(target, None, [1, 2, 3], cfg).token_ids
+    # and a guard whose start-up c was right still pauses a draft that does not pay
+    slow_draft = TimedTable(8, seed=7, sharpness=4.0, fixed=0.008)
+    [paused] = run_all(target, DraftModelProposer(slow_draft), [Request([1, 2, 3], config(60, k=4, costs=(0.8, 0.0)))],
+                       batch_guard=True)
+    assert paused.stats.num_guard_pauses >= 2

@@ -188,3 +188,19 @@ def test_missing_bench_extras_fail_before_any_model_loads(monkeypatch, capsys):
         with pytest.raises(SystemExit, match="^2$") as exit_info:
             main([command, "--target", "/nonexistent"])
         assert exit_info.value.code == 2 and "specdecode[bench]" in capsys.readouterr().err
+
+
+def test_bench_compare_verification_rows(pair_dirs, tmp_path):
+    out = tmp_path / "bench"
+    assert main(["bench", "--prompts", "1", "--new-tokens", "8", "--repeats", "1", "--target", pair_dirs[0],
+                 "--draft", pair_dirs[1], "--dtype", "float32", "--quiet", "--headline", "--hf-assisted", "none",
+                 "--gammas", "2", "--compare-verification", "--tree-widths", "2",
+                 "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["meta"]["verification"] == "token"
+    rows = {r["config"]: r for r in data["rows"]}
+    assert set(rows) == {"transformers generate, target alone", "specdecode γ=2", "specdecode γ=2, block verification",
+                         "specdecode as configured", "specdecode as configured, block verification",
+                         "specdecode as configured, tree width 2"}
+    # float32 greedy: the block rule and the tree emit the target's own greedy tokens too
+    assert all(r["same_tokens_as_hf"] == 1 for r in data["rows"])

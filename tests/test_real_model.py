@@ -82,3 +82,21 @@ def test_quick_bench_and_alpha_run_on_the_default_pair(tmp_path):
     for result in alpha["results"]:
         paper = result["paper"]
         assert paper["draft model"]["alpha"] > max(paper["unigram"]["alpha"], paper["bigram"]["alpha"])
+
+
+def test_default_pair_constrained_greedy_equals_plain_constrained_greedy(float32_decoder, float32_plain):
+    # issue 12: a JSON schema, a repetition penalty and logprobs on the real pair, float32
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tests": {"type": "integer"}},
+              "required": ["name", "tests"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    kwargs = dict(max_new_tokens=48, sampling=SamplingParams(temperature=0, repetition_penalty=1.1), logprobs=2,
+                  response_format=fmt)
+    prompt = humaneval_prompts(1)[0]["prompt"] + "\nDescribe this function as JSON."
+    spec = float32_decoder.generate(prompt, **kwargs)
+    plain = float32_plain.generate(prompt, **kwargs)
+    assert spec.token_ids == plain.token_ids
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(spec.logprobs, plain.logprobs)) <= 1e-4
+    assert spec.stats.num_accepted > 0
+    if spec.finish_reason == "eos":
+        document = json.loads(spec.text)
+        assert isinstance(document["name"], str) and isinstance(document["tests"], int)

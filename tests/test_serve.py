@@ -58,11 +58,14 @@ class Server:
     """`specdecode serve ...` in a subprocess; stop() sends SIGTERM and returns the exit status."""
 
     def __init__(self, dirs, *extra):
+        """dirs: {"target", "draft"} model folders, or None for the default pair."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        draft = [] if "--draft" in extra else ["--draft", dirs["draft"]]
+        models = [] if dirs is None else ["--target", dirs["target"]]
+        if dirs is not None and "--draft" not in extra:
+            models += ["--draft", dirs["draft"]]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "specdecode.cli", "serve", "--target", dirs["target"], *draft, "--dtype", "float32",
+            [sys.executable, "-m", "specdecode.cli", "serve", *models, "--dtype", "float32",
              "--port", str(self.port), "--served-model-name", "tiny", "--quiet", "--no-guard", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + STARTUP_S
@@ -201,8 +204,14 @@ def test_sixteen_concurrent_requests_each_equal_their_solo_result(server):
     ({"prompt": "abc", "max_tokens": 254}, 400, "max_tokens"),     # 3 + 254 > the 256-token context
     ({"prompt": "abc", "top_p": 0}, 400, "top_p"),
     ({"prompt": "abc", "n": 2}, 400, "n"),
-    ({"prompt": "abc", "logprobs": 2}, 400, "logprobs"),
-    ({"prompt": "abc", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "abc", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "abc", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "abc", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ({"prompt": "abc", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "abc", "response_format": {"type": "xml"}}, 400, "response_format"),
+    ({"prompt": "abc", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+     400, "response_format"),
+    ({"prompt": "abc", "grammar": "root ::= ("}, 400, "grammar"),
     ({"prompt": "abc", "stop": ["", "x"]}, 400, "stop"),
     ({"prompt": "abc", "num_speculative_tokens": -1}, 400, "num_speculative_tokens"),
     ({"prompt": ""}, 400, "prompt"),
@@ -353,8 +362,8 @@ def test_the_live_page_colours_streamed_tokens_by_origin_in_headless_chromium(se
     (b'{"model": "tiny", "prompt": "a", "top_p": true}', "top_p"),
     (b'{"model": "tiny", "prompt": "a", "logit_bias": {"5": 10}}', "logit_bias"),
     (b'{"model": "tiny", "prompt": "a", "best_of": 2}', "best_of"),
-    (b'{"model": "tiny", "prompt": "a", "logprobs": 0}', "logprobs"),
-    (b'{"model": "tiny", "prompt": "a", "response_format": {"type": "json_object"}}', "response_format"),
+    (b'{"model": "tiny", "prompt": "a", "logprobs": true}', "logprobs"),
+    (b'{"model": "tiny", "prompt": "a", "response_format": "json"}', "response_format"),
 ])
 def test_odd_bodies_get_a_400_naming_the_field(server, content, param):
     response = httpx.post(server.url + "/v1/completions", content=content, timeout=60,
@@ -443,3 +452,68 @@ def test_sigterm_with_queued_work_ends_every_request_cleanly(chat_model_dirs):
             frames = future.result(timeout=60)
             assert frames[-1] == "data: [DONE]"
     assert server.stop() == 0
+
+
+# --- logprobs, penalties and grammars over the wire (issue 12) ------------------------------------
+
+def test_completion_logprobs_are_the_same_with_and_without_speculation(server, plain_server):
+    spec, plain = complete(server, "abc", logprobs=3), complete(plain_server, "abc", logprobs=3)
+    lp, plain_lp = spec.choices[0].logprobs, plain.choices[0].logprobs
+    text = spec.choices[0].text
+    assert text == plain.choices[0].text and lp.tokens == plain_lp.tokens
+    visible = [t if not (t.startswith("<") and len(t) > 1) else "" for t in lp.tokens]  # special tokens: not in the text
+    assert "".join(visible) == text
+    assert len(lp.token_logprobs) == spec.usage.completion_tokens
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs, plain_lp.token_logprobs)) <= 1e-5
+    assert all(len(top) == 3 and max(top.values()) >= value - 1e-6  # greedy: the chosen token is the top one
+               for top, value in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in visible[:i]) for i in range(len(lp.tokens))]
+
+
+def test_chat_logprobs_stream_and_full_agree(server):
+    full = chat(server, "abc", logprobs=True, top_logprobs=2, max_tokens=12)
+    content = full.choices[0].logprobs.content
+    assert "".join(c.token for c in content if not c.token.startswith("<")) == full.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
+    streamed = []
+    for part in chat(server, "abc", logprobs=True, top_logprobs=2, max_tokens=12, stream=True):
+        if part.choices and part.choices[0].logprobs is not None:
+            streamed += part.choices[0].logprobs.content
+    assert [(c.token, round(c.logprob, 5)) for c in streamed] == [(c.token, round(c.logprob, 5)) for c in content]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        chat(server, "abc", top_logprobs=2)
+
+
+def test_penalties_change_greedy_output_the_same_way_with_and_without_speculation(server, plain_server):
+    kwargs = dict(frequency_penalty=1.5, presence_penalty=0.5, extra_body={"repetition_penalty": 1.3})
+    spec, plain = complete(server, "hhh a", **kwargs), complete(plain_server, "hhh a", **kwargs)
+    assert spec.choices[0].text == plain.choices[0].text != complete(plain_server, "hhh a").choices[0].text
+
+
+def test_a_grammar_constrains_the_output(server):
+    pattern = "(ab|cd)+[.]"
+    import re
+
+    for _ in range(2):
+        text = complete(server, "abc", temperature=1.0, max_tokens=40,
+                        extra_body={"grammar": "regex:" + pattern}).choices[0]
+        assert re.fullmatch(pattern, text.text) or (text.finish_reason == "length" and re.fullmatch("(ab|cd)*a?c?", text.text))
+
+
+@pytest.mark.real_model
+def test_the_default_pair_serves_speculative_greedy_equal_to_plain_greedy():
+    # One server with the default pair in float32; a request with num_speculative_tokens = 0 is
+    # plain decoding on the same target, so the two texts must agree token for token.
+    s = Server(None, "--max-batch-size", "2")
+    try:
+        prompt = "def fibonacci(n):\n"
+        spec = complete(s, prompt, max_tokens=32)
+        plain = complete(s, prompt, max_tokens=32, extra_body={"num_speculative_tokens": 0})
+        assert spec.choices[0].text == plain.choices[0].text and spec.usage.completion_tokens == 32
+        assert spec.model_extra["speculation"]["num_accepted"] > 0
+        assert plain.model_extra["speculation"]["num_drafted"] == 0
+        question = "Write a Python function that reverses a string."
+        spec_chat, plain_chat = chat(s, question), chat(s, question, extra_body={"num_speculative_tokens": 0})
+        assert spec_chat.choices[0].message.content == plain_chat.choices[0].message.content != ""
+    finally:
+        assert s.stop() == 0

@@ -49,6 +49,11 @@ def add_parser(sub) -> None:
     bench.add_argument("--lenience", type=float, nargs="*", default=[], metavar="L",
                        help="also run LOSSY lenient verification (paper A.5) at γ = 4 for each l in (0, 1) "
                             "(e.g. 0.5 0.3 0.1); reported beside the exact runs, never as a speedup of exact decoding")
+    bench.add_argument("--compare-verification", action="store_true",
+                       help="also run the configured decoder with the other --verification rule, and each γ of "
+                            "the sweep with block verification (Sun et al. 2024), beside the token-wise rows")
+    bench.add_argument("--tree-widths", type=int, nargs="*", default=[], metavar="W",
+                       help="also run the configured decoder drafting token trees of these widths (e.g. 2 3)")
     bench.add_argument("--batch-size", type=int, nargs="*", default=[], metavar="N",
                        help="also time batched plain and speculative decoding (γ = 4) at these batch sizes, e.g. 1 2 4 8")
     add_out_flag(bench, "bench")
@@ -85,7 +90,8 @@ def run(args, parser) -> int:
         bench_report(decoder, args.tasks, args.prompts, new_tokens=args.new_tokens, repeats=args.repeats,
                      gammas=args.gammas, sampling=sampling, hf_schedules=schedules, out=out,
                      hf_drafts=hf_drafts, lenience=args.lenience, batch_sizes=args.batch_size,
-                     headline=args.headline, progress=None if args.quiet else _bar())
+                     headline=args.headline, compare_verification=args.compare_verification,
+                     tree_widths=args.tree_widths, progress=None if args.quiet else _bar())
     except (ValueError, FileNotFoundError, ImportError) as err:
         return error(err)
     print(Path(out + ".md").read_text(encoding="utf-8"))
@@ -103,6 +109,8 @@ def _check(args, parser) -> list[str]:
         parser.error("--prompts, --repeats and --gammas must be >= 1, --new-tokens >= 2")
     if any(not 0 < value < 1 for value in args.lenience):
         parser.error("--lenience values must be in (0, 1); 1 is the exact run, always included")
+    if any(w < 1 for w in args.tree_widths):
+        parser.error("--tree-widths values must be >= 1")
     if any(b < 1 for b in args.batch_size):
         parser.error("--batch-size values must be >= 1")
     require_bench_extras(parser, args.tasks)

@@ -14,6 +14,7 @@ from specdecode.api import (
     DEFAULT_DRAFT_QUANTIZATION,
     DEFAULT_GAMMA,
     DEFAULT_GAMMA_SCHEDULE,
+    DEFAULT_VERIFICATION,
     QUANTIZATIONS,
 )
 from specdecode.models import zoo
@@ -36,6 +37,17 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="fixed: draft up to γ tokens every step; adaptive: start at 4, +2 after a fully "
                              "accepted block, -1 otherwise, within [1, γ] (exact either way; "
                              f"default: {DEFAULT_GAMMA_SCHEDULE})")
+    parser.add_argument("--verification", choices=["token", "block"], default=DEFAULT_VERIFICATION,
+                        help="token: verify drafts one by one (paper §2.3); block: verify each drafted block "
+                             "jointly (Sun et al. 2024), exact too and never fewer accepted drafts in "
+                             "expectation, the same output when greedy; lenience < 1 needs token "
+                             f"(default: {DEFAULT_VERIFICATION})")
+    parser.add_argument("--tree-width", type=int, default=1, metavar="W",
+                        help="draft a token tree: up to W candidates at each position where the draft is unsure "
+                             "(below --tree-confidence), scored in the same target call and verified exactly; "
+                             "1 drafts a chain (default: 1)")
+    parser.add_argument("--tree-confidence", type=float, default=0.8, metavar="C",
+                        help="branch where the draft's probability of its token is below C, in (0, 1] (default: 0.8)")
     parser.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
                         help="dynamic γ: stop drafting once the draft's probability of its own token falls "
                              "below this, in [0, 1); exact either way; 0 always drafts γ tokens "
@@ -63,6 +75,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-map", default=None, choices=["auto", "balanced", "balanced_low_0", "sequential"],
                         help="spread a target too big for one device over the GPUs (and the CPU) with transformers' "
                              "device_map; the draft runs on the target's first device (default: off)")
+    parser.add_argument("--ignore-generation-config", action="store_true",
+                        help="do not apply the target's generation_config defaults (by default its "
+                             "repetition_penalty and no_repeat_ngram_size apply, exactly; other values it sets "
+                             "are named in a warning and not applied)")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress messages, progress bars or summary on stderr (errors still print)")
 
@@ -73,6 +89,12 @@ def check_model_flags(args, parser: argparse.ArgumentParser) -> None:
         parser.error(f"-k/--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
     if not 0 <= args.draft_confidence < 1:
         parser.error(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
+    if args.tree_width < 1:
+        parser.error(f"--tree-width must be >= 1, got {args.tree_width}")
+    if not 0 < args.tree_confidence <= 1:
+        parser.error(f"--tree-confidence must be in (0, 1], got {args.tree_confidence}")
+    if args.tree_width > 1 and args.verification != "token":
+        parser.error("--tree-width above 1 needs --verification token (trees have their own exact rule)")
     if args.draft_vocab_limit is not None and args.draft_vocab_limit < 1:
         parser.error(f"--draft-vocab-limit must be >= 1, got {args.draft_vocab_limit}")
 
@@ -179,9 +201,11 @@ def decoder_kwargs(args, **extra) -> dict:
     that a Ray worker can build the same decoder in its own process."""
     return dict(target=args.target, draft=None if args.draft == "none" else args.draft,
                 num_speculative_tokens=args.num_speculative_tokens, draft_confidence=args.draft_confidence,
-                gamma_schedule=args.gamma_schedule, draft_vocab_limit=args.draft_vocab_limit or "auto",
+                gamma_schedule=args.gamma_schedule, verification=args.verification, tree_width=args.tree_width,
+                tree_confidence=args.tree_confidence, draft_vocab_limit=args.draft_vocab_limit or "auto",
                 prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft, guard=args.guard,
-                dtype=args.dtype, device_map=args.device_map, **extra)
+                dtype=args.dtype, device_map=args.device_map,
+                use_generation_config=not getattr(args, "ignore_generation_config", False), **extra)
 
 
 def build_decoder(args, progress, **extra):

@@ -47,6 +47,25 @@ def add_parser(sub) -> None:
                           "output distribution (no token above p/L; greedy keeps drafts with p >= L·max p) "
                           "and marks the stats lossy. In (0, 1] (default: 1, exact)")
     gen.add_argument("--seed", type=int, default=None, help="random seed; the same seed gives the same output")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
+                     help="divide the logits of tokens already in the prompt or output by P (> 0; transformers' "
+                          "semantics; exact under speculation); 1 = off (default), or the model's "
+                          "generation_config value")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
+                     help="subtract P from the logits of tokens already generated, in [-2, 2] (OpenAI's; 0 = off)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, metavar="P",
+                     help="subtract P × count from the logits of tokens already generated, in [-2, 2] "
+                          "(OpenAI's; 0 = off)")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help="with --json: each token's log-probability under the target's raw distribution "
+                          "(before penalties, grammar and temperature) and the N most likely alternatives, "
+                          "N in [0, 20]")
+    gen.add_argument("--json-schema", metavar="FILE",
+                     help="constrain the output to JSON following the JSON schema in FILE (an output that ends "
+                          "by EOS parses)")
+    gen.add_argument("--grammar", metavar="FILE",
+                     help="constrain the output to the EBNF grammar in FILE (GBNF, 'root ::= ...'), or to a "
+                          "regex if FILE holds 'regex:PATTERN'")
     gen.add_argument("--max-new-tokens", type=int, default=256, help="most new tokens to generate (default: 256)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="stop when this text appears (excluded from the output); repeatable")
@@ -62,17 +81,20 @@ def add_parser(sub) -> None:
 
 def run(args, parser) -> int:
     sampling, prompt = _parse(args, parser)
+    constraint = _constraint(args, parser)
     progress = stderr_progress(args)
     chat = False if args.raw else None
     try:
         decoder = build_decoder(args, progress)
+        extra = dict(logprobs=args.logprobs, response_format=constraint.get("response_format"),
+                     grammar=constraint.get("grammar"))
         if isinstance(prompt, list):
             results = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                        stop=args.stop, chat=chat, batch_size=args.batch_size,
-                                       lenience=args.lenience)
+                                       lenience=args.lenience, **extra)
         else:
             stream = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                      stop=args.stop, stream=True, chat=chat, lenience=args.lenience)
+                                      stop=args.stop, stream=True, chat=chat, lenience=args.lenience, **extra)
             results = [_print_stream(stream, args)]
     except (ValueError, FileNotFoundError, ImportError) as err:
         return error(err)
@@ -94,14 +116,29 @@ def _parse(args, parser):
     """SamplingParams and the prompt (a string, or a list from --prompts-file); bad input exits 2."""
     from specdecode import SamplingParams
 
+    if not 0 < args.repetition_penalty < float("inf"):
+        parser.error(f"--repetition-penalty must be > 0 (1 = off), got {args.repetition_penalty}")
+    for flag in ("presence_penalty", "frequency_penalty"):
+        value = getattr(args, flag)
+        if not -2 <= value <= 2:
+            parser.error(f"--{flag.replace('_', '-')} must be in [-2, 2] (0 = off), got {value}")
+    if args.logprobs is not None and not 0 <= args.logprobs <= 20:
+        parser.error(f"--logprobs must be in [0, 20], got {args.logprobs}")
+    if args.logprobs is not None and not args.json:
+        parser.error("--logprobs is printed in the --json output: add --json")
     try:
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  min_p=args.min_p, seed=args.seed)
+                                  min_p=args.min_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
+                                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
     except ValueError as err:
         parser.error(str(err))
     check_model_flags(args, parser)
     if not 0 < args.lenience <= 1:
         parser.error(f"--lenience must be in (0, 1] (1 = exact), got {args.lenience}")
+    if args.lenience != 1 and args.verification == "block":
+        parser.error("--lenience below 1 (lossy) needs --verification token; block verification is exact only")
+    if args.lenience != 1 and args.tree_width > 1:
+        parser.error("--lenience below 1 (lossy) needs --tree-width 1; token trees are verified exactly")
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if any(not s for s in args.stop):
@@ -121,6 +158,33 @@ def _parse(args, parser):
     if not prompt:
         parser.error("the prompt is empty")
     return sampling, prompt
+
+
+def _constraint(args, parser) -> dict:
+    """{"response_format": ...} from --json-schema, {"grammar": ...} from --grammar, or {}; an
+    unreadable file or a schema that is not JSON exits 2 (an invalid one does, after loading)."""
+    if args.json_schema and args.grammar:
+        parser.error("give --json-schema or --grammar, not both")
+    path = args.json_schema or args.grammar
+    if path is None:
+        return {}
+    flag = "--json-schema" if args.json_schema else "--grammar"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        parser.error(f"{flag}: cannot read {path}: {err}")
+    if args.grammar:
+        if not text.strip():
+            parser.error(f"--grammar: {path} is empty")
+        return {"grammar": text.strip() if text.startswith("regex:") else text}
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as err:
+        parser.error(f"--json-schema: {path} is not JSON ({err.msg}, line {err.lineno})")
+    if not isinstance(schema, (dict, bool)):
+        parser.error(f"--json-schema: {path} must hold a JSON object (a JSON schema)")
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}}}
 
 
 def _print_stream(stream, args):

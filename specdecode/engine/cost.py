@@ -86,6 +86,16 @@ class BatchCostModel:
         if forwards:
             self.draft.add(rows, seconds / forwards)
 
+    def guard_costs(self, rows: int, k: int) -> tuple[float, float] | None:
+        """(c, verify slope) in target calls for a row's guard (engine.guard) at this batch size
+        and γ = k, from the loop's timings; None until a plain step, a verify step and a draft
+        forward have been timed."""
+        plain = self.target.predict(rows) if 1 in self.widths and 2 in self.widths else None
+        draft_s = self.draft.predict(rows)
+        if plain is None or draft_s is None or k < 1:
+            return None
+        return draft_s / plain, max(self.target.predict(rows * (k + 1)) / plain - 1, 0.0) / k
+
     def gamma_cap(self, planned: list[int], alphas: list[float | None]) -> int:
         """The most drafts any row may make this step (max(planned) when nothing is capped).
 

@@ -16,12 +16,14 @@ draws from its own generator in the same order and number as alone, its γ plan 
 only at its own tokens, and its stops are its own. (With a neural model, a batch changes float
 rounding slightly — padded shapes — as any batched inference does; table models are exact.)
 
-A request joining the batch reads its prompt in its first step's forward (the other rows' feeds
-are padded to the prompt's length in that one call).
+A request that runs alone reads its prompt in its first step's forward (prefill and first verify
+in one call); one that joins other rows reads it in a forward of its own when it is admitted, so
+no other row's feed is padded to the prompt's length.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -32,11 +34,12 @@ from specdecode.engine.cost import BatchCostModel
 from specdecode.engine.output import Output
 from specdecode.engine.policy import GammaPolicy
 from specdecode.engine.request import (ACCEPTED, BONUS, CORRECTED, TARGET, DecodeConfig, GenerationResult,
-                                       Request, TokenEvent)
+                                       Request, TokenEvent, TokenLogprob)
 from specdecode.engine.stats import GenerationStats
+from specdecode.processors import LogitsPipeline, build_pipeline
 from specdecode.proposers.base import Draft, no_draft
 from specdecode.sampling import SamplingParams, adjust, make_generator, sample
-from specdecode.verify import greedy_lenient_step, speculative_step
+from specdecode.verify import block_step, greedy_lenient_step, speculative_step, tree_step
 
 
 @dataclass
@@ -56,7 +59,8 @@ class _Row:
     """One running request's state. `tokens` is its committed sequence (prompt + emitted);
     the target's cache holds all of it but `pending`, which the next forward feeds first."""
 
-    def __init__(self, request_id: int, request: Request, tokenizer, speculative: bool, device):
+    def __init__(self, request_id: int, request: Request, tokenizer, speculative: bool, device,
+                 vocab_size: int | None = None):
         config = request.config
         self.request_id, self.request, self.config = request_id, request, config
         self.sampling: SamplingParams = config.sampling
@@ -68,6 +72,11 @@ class _Row:
         self.stats = GenerationStats(lossy=config.lenience < 1.0 and speculative,
                                      accepted_per_position=[0] * self.policy.k_max)
         self.start = time.perf_counter()
+        # penalties, processors, grammar: None keeps the fast path (specdecode.processors)
+        self.pipeline: LogitsPipeline | None = None
+        if vocab_size is not None:
+            self.pipeline = build_pipeline(config.sampling, len(request.prompt_ids), vocab_size,
+                                           config.logits_processors, config.grammar)
 
     def result(self) -> GenerationResult:
         self.stats.num_generated = len(self.out.token_ids)
@@ -75,28 +84,85 @@ class _Row:
         if self.policy.guard is not None:
             self.stats.num_guard_pauses = self.policy.guard.num_pauses
         return GenerationResult(self.out.text, self.out.token_ids, self.out.finish_reason, self.stats,
-                                self.out.origins)
+                                self.out.origins, self.out.logprobs)
 
 
 def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor, config: DecodeConfig,
-           generator: torch.Generator) -> tuple[int, int]:
+           generator: torch.Generator, pipeline: LogitsPipeline | None = None,
+           committed: list[int] | None = None) -> tuple[int, int]:
     """Step 4 for one row: (drafts accepted, the next token).
 
     Args:
         drafts: [k] int64.  draft_probs: [k, V_draft] q (None when k = 0).
         logits: [k+1, V] the target's raw logits after the pending tokens and each draft.
-        config: the row's sampling and lenience.  generator: the row's.
+        config: the row's sampling, lenience and verification rule.  generator: the row's.
+        pipeline: the row's prefix-dependent transforms (rule 9), given the committed tokens:
+            position i's logits are transformed with prefix committed + drafts[:i].
     """
     k = len(drafts)
-    if k > 0 and config.sampling.greedy and config.lenience < 1:
-        # lenience must see the target's untempered distribution, not the one-hot (paper A.5)
+    if pipeline is not None:
+        logits = pipeline(committed, drafts.tolist(), logits)
+    if config.sampling.greedy:
+        # Greedy verification compares argmaxes; at lenience 1 it is the sampling rule on one-hot
+        # p and q, without building [k+1, V] one-hots. Lenience must see the target's
+        # untempered distribution, not the one-hot (paper A.5).
+        if k == 0:
+            return 0, int(logits[0].argmax())
         n, token = greedy_lenient_step(drafts[None], logits[None], config.lenience)
         return int(n), int(token)
     p = adjust(logits, config.sampling)
     if k > 0:
-        n, token = speculative_step(drafts[None], draft_probs[None], p[None], generator, config.lenience)
+        # Under greedy decoding (one-hot p and q) the block rule is the token-wise rule exactly
+        # (tests/test_block_verify.py), and the token-wise one is cheaper.
+        rule = block_step if config.verification == "block" and not config.sampling.greedy else speculative_step
+        n, token = rule(drafts[None], draft_probs[None], p[None], generator, config.lenience)
         return int(n), int(token)
-    return 0, int(p[0].argmax()) if config.sampling.greedy else int(sample(p[0], generator))
+    return 0, int(sample(p[0], generator))
+
+
+def accept_tree(draft: Draft, logits: torch.Tensor, config: DecodeConfig,
+                generator: torch.Generator) -> tuple[list[int], int, bool]:
+    """Step 4 for a row that drafted a token tree: (accepted path of node indices, next token,
+    whether it ended in a rejection) by verify.tree_step.
+
+    Args:
+        draft: the row's tree (tokens [N], probs [N, V_draft], parents).
+        logits: [N+1, V] the target's raw logits after the pending tokens and after each node.
+    Raises:
+        ValueError: lenience < 1 (the tree rule is exact only).
+    """
+    if config.lenience != 1:
+        raise ValueError("token trees are verified exactly: lenience must be 1")
+    return tree_step(draft.tokens, list(draft.parents), draft.probs, adjust(logits, config.sampling), generator)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under the target's raw distribution at its position (the
+    log-softmax of the logits, before any processing), with the `top` most likely ids.
+
+    logits: [len(tokens), V] the target's raw logits; row i is the position of tokens[i].
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    if top:
+        values, ids = logprobs.topk(top, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [[] for _ in tokens]
+    return [TokenLogprob(t, lp, alternatives) for t, lp, alternatives in zip(tokens, chosen, tops)]
+
+
+def _cut_to_grammar(row: _Row, draft: Draft) -> Draft:
+    """The draft up to the first token its grammar refuses: that token would be rejected (p = 0),
+    so it and what follows are cut before the target call, at no cost to exactness. (A row with a
+    grammar drafts chains, never trees: DraftModelProposer.)"""
+    k = len(draft.tokens)
+    if row.pipeline is None or row.pipeline.grammar is None or k == 0 or draft.parents is not None:
+        return draft
+    n = row.pipeline.valid_prefix(row.tokens, draft.tokens.tolist())
+    if n == k:
+        return draft
+    return dataclasses.replace(draft, tokens=draft.tokens[:n], probs=draft.probs[:n])
 
 
 def synchronize(device: torch.device) -> None:
@@ -114,10 +180,12 @@ class Engine:
         tokenizer: for text and stop strings; None decodes ids only (text is "").
         max_batch_size: the most rows running at once (None: as many as the backends take);
             further requests wait in order.
-        batch_guard: with two or more guarded rows (requests with guard costs), pause their
-            drafting on steps where the loop's own timings say a plain step yields more tokens
-            per second for the batch (engine.cost). Greedy output is unchanged (exactness holds
-            step by step); which steps draft then depends on the batch, so the statistics do.
+        batch_guard: time the loop's own steps (engine.cost) and use the timings: every guarded
+            row's guard (requests with guard costs) gets its c and slope from them once they are
+            known, and with two or more guarded rows their drafting pauses on steps where a plain
+            step yields more tokens per second for the batch. Greedy output is unchanged
+            (exactness holds step by step); which steps draft then depends on the batch and the
+            machine, so the statistics do.
     Raises:
         ValueError: max_batch_size < 1.
     """
@@ -202,6 +270,8 @@ class Engine:
             drafts = self.proposer.propose(rows, ks)
         else:
             drafts = [no_draft(self.target.vocab_size, self.device)] * len(rows)
+        if any(row.pipeline is not None and row.pipeline.grammar is not None for row in rows):
+            drafts = [_cut_to_grammar(row, draft) for row, draft in zip(rows, drafts)]
         synchronize(self.device)
         t1 = time.perf_counter()
         # 3 score: one target call over every row's pending token(s) and drafts. A draft id the
@@ -210,32 +280,54 @@ class Engine:
         embeddable = self.target.num_embeddings
         feeds = [row.pending + [t if t < embeddable else 0 for t in ids] for row, ids in zip(rows, draft_ids)]
         width = max(len(ids) for ids in draft_ids) + 1
-        logits = self.target.forward(feeds, width)  # [B, width, V]
+        trees = [d.parents for d in drafts]
+        if any(t is not None for t in trees):  # token trees: one call with a tree mask (verify.tree_step)
+            logits = self.target.forward(feeds, width, trees)
+        else:
+            logits = self.target.forward(feeds, width)  # [B, width, V]
         synchronize(self.device)
         t2 = time.perf_counter()
         if self.cost is not None and not prompt_read:  # a prompt read is not a step's cost
             fed = max(len(f) for f in feeds)  # every row is padded to the widest feed
             self.cost.observe_target(len(rows) * fed, fed, t2 - t1)
             self.cost.observe_draft(max(d.forwards for d in drafts), sum(k > 0 for k in ks), t1 - t0)
+            self._refresh_guards(rows)
         # 4 accept and 5 commit, row by row with each row's generator
-        accepted, new_tokens = [], []
+        accepted, new_tokens, paths = [], [], []
         for b, (row, draft, ids) in enumerate(zip(rows, drafts, draft_ids)):
             k = len(ids)
-            n, token = accept(draft.tokens, draft.probs if k else None, logits[b, width - k - 1:], row.config,
-                              row.generator)
-            new = ids[:n] + [token]
-            origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]
+            if draft.parents is not None:
+                path, token, rejected = accept_tree(draft, logits[b, width - k - 1:], row.config, row.generator)
+                n, new = len(path), [ids[i] for i in path] + [token]
+                origins = [ACCEPTED] * n + [CORRECTED if rejected else BONUS]
+                row.stats.num_tree_branch_wins += int(path != draft.chain[:n])
+                paths.append(path)
+                # the draft model's cache holds the chain: tell it how much of the chain was kept
+                n_kept_in_chain = next((j for j, node in enumerate(path) if node != draft.chain[j]), n)
+                positions = [0] + [node + 1 for node in path]  # logits row of each emitted token
+            else:
+                n, token = accept(draft.tokens, draft.probs if k else None, logits[b, width - k - 1:], row.config,
+                                  row.generator, row.pipeline, row.tokens)
+                new = ids[:n] + [token]
+                origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]
+                paths.append(None)
+                n_kept_in_chain = n
+                positions = list(range(n + 1))
+            logprobs = [None] * len(new) if row.config.logprobs is None else \
+                token_logprobs(logits[b, width - k - 1:][positions], new, row.config.logprobs)
             output = outputs[row.request_id]
-            for token_id, origin in zip(new, origins):
-                output.events.append(row.out.push(token_id, origin))
+            for token_id, origin, logprob in zip(new, origins, logprobs):
+                output.events.append(row.out.push(token_id, origin, logprob))
                 if row.out.finish_reason is not None:
                     break
             # 6 record
             self._record(row, draft, ks[b], n, output, t1 - t0, t2 - t1)
             row.tokens += new
             row.pending = [token]
-            accepted.append(n)
+            accepted.append(n_kept_in_chain)
             new_tokens.append(new)
+        if any(t is not None for t in trees):
+            self.target.keep_tree_paths(paths)
         self.target.truncate([len(row.tokens) - 1 for row in rows])
         if self.proposer is not None:
             self.proposer.commit(accepted, new_tokens)
@@ -256,10 +348,18 @@ class Engine:
             row.stats.num_batch_caps += int(k > cap)
         return [min(k, cap) for k in ks]
 
+    def _refresh_guards(self, rows: list[_Row]) -> None:
+        """Keep each guard's c and slope at what the loop measures now (engine.guard)."""
+        for row in rows:
+            guard = row.policy.guard
+            costs = self.cost.guard_costs(len(rows), row.policy.k_max) if guard is not None else None
+            if costs is not None:
+                guard.set_costs(*costs)
+
     @staticmethod
     def _record(row: _Row, draft: Draft, planned: int, n: int, output: StepOutput, draft_s: float,
                 target_s: float) -> None:
-        k = len(draft.tokens)
+        k = len(draft.chain)  # a tree's γ is its chain; its side leaves are extra candidates
         stats = row.stats
         drafted, kept = stats.num_drafted, stats.num_accepted
         stats.num_target_calls += 1
@@ -275,13 +375,23 @@ class Engine:
         output.stats = stats.snapshot()
 
     def _admit(self) -> None:
-        while self.waiting and (self.capacity is None or len(self.running) < self.capacity):
-            request_id, request = self.waiting.popleft()
-            encoder_input = request.encoder_input_ids
-            self.target.add_row(encoder_input)
+        joining = []
+        while self.waiting and (self.capacity is None or len(self.running) + len(joining) < self.capacity):
+            joining.append(self.waiting.popleft())
+        # A row alone reads its prompt with its first step's forward (prefill and verify in one
+        # call); a row joining others reads all but its prompt's last token now, on its own,
+        # so that no other row's feed is padded to its prompt's length.
+        alone = not self.running and len(joining) == 1
+        for request_id, request in joining:
+            encoder_input, prompt = request.encoder_input_ids, list(request.prompt_ids)
+            self.target.add_row(encoder_input, prefix_ids=() if alone else prompt[:-1])
             if self.proposer is not None:
-                self.proposer.add_row(request.prompt_ids, encoder_input)
-            self.running.append(_Row(request_id, request, self.tokenizer, self.proposer is not None, self.device))
+                self.proposer.add_row(prompt, encoder_input)
+            row = _Row(request_id, request, self.tokenizer, self.proposer is not None, self.device,
+                       self.target.vocab_size)
+            if not alone:
+                row.pending = prompt[-1:]
+            self.running.append(row)
 
     def _leave(self, rows: list[_Row], outputs: dict[int, StepOutput] | None = None) -> None:
         """Finished or aborted rows leave the batch: their cache rows go, so later steps cost less."""

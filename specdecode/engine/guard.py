@@ -12,10 +12,13 @@ is above 1; while paused the loop decodes plainly, and it probes speculation aga
 token cost the most per token, so averaging per-step ratios overstates the cost and paused a
 draft with α ≈ 0.85 three times in four HumanEval prompts.)
 
-The decision is a function of the committed tokens and of c alone, not of timings measured during
-the request, so a request is reproducible: the same seed gives the same output (DESIGN rule 7).
-Choosing γ (here: 0 or γ_max) from the past is exact: each step samples from p given the prefix,
-whatever γ was (paper §2.3).
+Where c and the slope come from: measured at load (SpeculativeDecoder), then kept current from the
+loop's own timings (engine.cost, `set_costs`): a load spike during the start-up measurement would
+otherwise pause drafting for the whole run. The averages are kept per term (drafts verified, draft
+forwards, tokens), so new costs re-price the whole history at once. Only greedy and unseeded
+requests are guarded (SpeculativeDecoder.config): a greedy output does not depend on when drafting
+pauses, and an unseeded one promises no reproducibility. Choosing γ (here: 0 or γ_max) from the
+past is exact: each step samples from p given the prefix, whatever γ was (paper §2.3).
 """
 
 from __future__ import annotations
@@ -40,11 +43,20 @@ class SpeculationGuard:
             raise ValueError("need cost_coefficient, verify_slope >= 0, probe_every >= 1, decay in [0, 1), warmup >= 1")
         self.c, self.slope, self.probe_every = cost_coefficient, verify_slope, probe_every
         self.decay, self.warmup = decay, warmup
-        self.cost_per_token: float | None = None  # target calls per token, from the two averages
-        self._cost = self._tokens = 0.0  # running averages per speculative step
+        self.cost_per_token: float | None = None  # target calls per token, from the averages
+        self._drafted = self._forwards = self._tokens = 0.0  # running averages per speculative step
         self.num_speculative_steps = 0
         self.paused_for = 0
         self.num_pauses = 0
+
+    def set_costs(self, cost_coefficient: float, verify_slope: float) -> None:
+        """New c and slope (from the loop's timings); they apply to the steps already recorded too."""
+        self.c, self.slope = max(cost_coefficient, 0.0), max(verify_slope, 0.0)
+        if self.num_speculative_steps:
+            self.cost_per_token = self._cost() / self._tokens
+
+    def _cost(self) -> float:
+        return 1 + self.slope * self._drafted + self.c * self._forwards
 
     def speculate(self) -> bool:
         """Draft on this step?"""
@@ -55,11 +67,11 @@ class SpeculationGuard:
 
     def record(self, num_drafted: int, num_draft_forwards: int, num_emitted: int) -> None:
         """One speculative step: drafts verified, draft forwards made, tokens emitted (>= 1)."""
-        cost = 1 + self.slope * num_drafted + self.c * num_draft_forwards
         weight = 1.0 if self.num_speculative_steps == 0 else 1 - self.decay
-        self._cost += weight * (cost - self._cost)
+        self._drafted += weight * (num_drafted - self._drafted)
+        self._forwards += weight * (num_draft_forwards - self._forwards)
         self._tokens += weight * (max(num_emitted, 1) - self._tokens)
-        self.cost_per_token = self._cost / self._tokens
+        self.cost_per_token = self._cost() / self._tokens
         self.num_speculative_steps += 1
         if self.num_speculative_steps >= self.warmup and self.cost_per_token > 1:
             self.paused_for = self.probe_every

@@ -3,7 +3,7 @@ rule 4). Nothing after a stop is returned, streamed or counted."""
 
 from __future__ import annotations
 
-from specdecode.engine.request import DecodeConfig, TokenEvent
+from specdecode.engine.request import DecodeConfig, TokenEvent, TokenLogprob
 from specdecode.engine.text import IncrementalDetokenizer, StopStrings
 
 
@@ -21,6 +21,7 @@ class Output:
         self.stops = StopStrings(list(config.stop)) if config.stop else None
         self.token_ids: list[int] = []
         self.origins: list[str] = []
+        self.logprobs: list[TokenLogprob] | None = [] if config.logprobs is not None else None
         self.text_parts: list[str] = []
         self.finish_reason: str | None = None
 
@@ -28,10 +29,12 @@ class Output:
     def text(self) -> str:
         return "".join(self.text_parts)
 
-    def push(self, token_id: int, origin: str) -> TokenEvent:
+    def push(self, token_id: int, origin: str, logprob: TokenLogprob | None = None) -> TokenEvent:
         """Emit one token; sets finish_reason when it ends the output."""
         self.token_ids.append(token_id)
         self.origins.append(origin)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
         is_eos = token_id in self.config.eos_token_ids
         text = self.detok.push(token_id) if self.detok is not None and not is_eos else ""
         if is_eos:
@@ -45,7 +48,7 @@ class Output:
         if self.finish_reason in ("eos", "length"):
             text += self._flush()
         self.text_parts.append(text)
-        return TokenEvent(token_id, text, origin)
+        return TokenEvent(token_id, text, origin, logprob)
 
     def finish(self, reason: str) -> str:
         """End the output from outside (context full, abort); returns the text held back."""

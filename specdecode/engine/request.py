@@ -12,6 +12,9 @@ from specdecode.sampling import SamplingParams
 # accepted block, and a token of a step that drafted nothing (plain decoding).
 ACCEPTED, CORRECTED, BONUS, TARGET = "accepted", "corrected", "bonus", "target"
 
+# How a step's drafts are verified: token by token (paper §2.3) or as a block (Sun et al. 2024).
+VERIFICATIONS = ("token", "block")
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -28,6 +31,15 @@ class DecodeConfig:
     gamma_schedule: "fixed" drafts up to γ_max every step; "adaptive" starts at min(4, γ_max),
         adds 2 after a block whose planned drafts were all accepted and drops 1 otherwise
         (within [1, γ_max]). Any rule that looks only at the past is exact (§2.3 holds step by step).
+    logprobs: None, or N in [0, 20]: every emitted token gets its log-probability under the
+        target's raw distribution and the N most likely alternatives (TokenLogprob).
+    logits_processors: transformers-style processors (specdecode.processors.ProcessorList).
+    grammar: a specdecode.grammar.Grammar the output must follow, or None.
+    verification: "token" checks the drafts one by one (paper §2.3, verify.speculative_step);
+        "block" verifies the block jointly (Sun et al. 2024, verify.block_step): exact too, and
+        never fewer accepted drafts in expectation. Greedy decoding is the same under both.
+    Raises:
+        ValueError: an unknown verification, or lenience < 1 with "block" (block has no lossy form).
     """
 
     max_new_tokens: int
@@ -38,6 +50,17 @@ class DecodeConfig:
     lenience: float = 1.0
     costs: tuple[float, float] | None = None
     gamma_schedule: str = "fixed"
+    logprobs: int | None = None
+    logits_processors: tuple = ()
+    grammar: object = None
+    verification: str = "token"
+
+    def __post_init__(self):
+        if self.verification not in VERIFICATIONS:
+            raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {self.verification!r}")
+        if self.verification == "block" and self.lenience != 1:
+            raise ValueError(f"lenience {self.lenience} (lossy) works with verification='token' only; "
+                             "block verification is exact")
 
 
 @dataclass(frozen=True)
@@ -51,12 +74,30 @@ class Request:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the target's RAW distribution: log-softmax of
+    the target's logits at its position, before penalties, logits processors, grammar masks,
+    temperature, top-k, top-p and min-p (natural log, float). `top`: the N most likely ids at
+    that position and their log-probabilities, most likely first (ties: lower id first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+    def to_dict(self) -> dict:
+        return {"token_id": self.token_id, "logprob": self.logprob,
+                "top": [{"token_id": t, "logprob": lp} for t, lp in self.top]}
+
+
+@dataclass(frozen=True)
 class TokenEvent:
-    """One emitted token, as streamed: its id, the text it completes, where it came from."""
+    """One emitted token, as streamed: its id, the text it completes, where it came from, and its
+    TokenLogprob when the request asked for logprobs."""
 
     token_id: int
     text: str
     origin: str
+    logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -66,7 +107,11 @@ class GenerationResult:
     finish_reason: str    # "stop" | "length" | "eos" | "abort"
     stats: GenerationStats
     origins: list[str]    # per token: accepted | corrected | bonus | target
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for them
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "stats": self.stats.to_dict()}
+        record = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                  "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            record["logprobs"] = [entry.to_dict() for entry in self.logprobs]
+        return record

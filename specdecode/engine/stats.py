@@ -24,6 +24,7 @@ class GenerationStats:
     num_lookup_steps: int = 0    # steps whose drafts were copied by prompt lookup
     num_guard_pauses: int = 0    # times the guard paused drafting (engine.guard)
     num_batch_caps: int = 0      # steps whose γ the batch's cost lowered (engine.cost)
+    num_tree_branch_wins: int = 0  # token-tree steps whose accepted path left the draft's chain
 
     def record_step(self, k: int, n: int, emitted: int) -> None:
         """One verify step: k drafted, n accepted, `emitted` tokens of the block returned. A stop
@@ -75,4 +76,5 @@ class GenerationStats:
             "time_target_s": self.time_target_s, "tokens_per_second": self.tokens_per_second,
             "lossy": self.lossy, "num_lookup_steps": self.num_lookup_steps,
             "num_guard_pauses": self.num_guard_pauses, "num_batch_caps": self.num_batch_caps,
+            "num_tree_branch_wins": self.num_tree_branch_wins,
         }

@@ -52,8 +52,9 @@ class NoEOS:
     def __getattr__(self, name):
         return getattr(self.backend, name)
 
-    def forward(self, feeds: list[list[int]], num_logits: int) -> torch.Tensor:
-        logits = self.backend.forward(feeds, num_logits).clone()  # inference tensors are read-only
+    def forward(self, feeds: list[list[int]], num_logits: int, trees=None) -> torch.Tensor:
+        logits = (self.backend.forward(feeds, num_logits) if trees is None
+                  else self.backend.forward(feeds, num_logits, trees)).clone()  # inference tensors are read-only
         logits[..., self.eos] = float("-inf")
         return logits
 
@@ -86,20 +87,23 @@ def _hf_runner(model, new_tokens: int, sampling: SamplingParams, pad_id: int, eo
 
 
 def _our_runner(target, make_proposer: Callable, gamma: int, new_tokens: int, sampling: SamplingParams,
-                guard_costs: tuple[float, float] | None = None, lenience: float = 1.0, gamma_schedule: str = "fixed"):
+                guard_costs: tuple[float, float] | None = None, lenience: float = 1.0, gamma_schedule: str = "fixed",
+                verification: str = "token"):
     def go(ids: list[int], seed: int):
         params = dataclasses.replace(sampling, seed=seed)
         result = run(target, make_proposer(), ids, DecodeConfig(max_new_tokens=new_tokens, sampling=params,
                                                                  num_speculative_tokens=gamma,
                                                                  costs=guard_costs, lenience=lenience,
-                                                                 gamma_schedule=gamma_schedule))
+                                                                 gamma_schedule=gamma_schedule,
+                                                                 verification=verification))
         return result.token_ids, result.stats
     return go
 
 
 def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: list[int],
                   hf_schedules: list[str], hf_drafts: dict | None = None, lenience: list[float] = (),
-                  headline: bool = False) -> dict[str, Callable]:
+                  headline: bool = False, compare_verification: bool = False,
+                  tree_widths: list[int] = ()) -> dict[str, Callable]:
     """name → go(ids, seed) -> (token ids, GenerationStats or None).
 
     hf_schedules: "heuristic" or "constant:N", each optionally "@LABEL" naming the draft in
@@ -107,6 +111,10 @@ def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: li
         a label, the first of hf_drafts (default: {"ours": the decoder's own draft model object}).
     lenience: values l < 1 add LOSSY runs (paper A.5) at γ = LENIENCE_GAMMA.
     headline: skip our plain decoding and prompt lookup alone (they cost a target-alone run each).
+    compare_verification: also run the configured decoder with the other verification rule, and
+        each γ of the sweep with block verification (the sweep itself is token-wise: Thm 3.8's
+        theory beside it assumes that rule).
+    tree_widths: also run the configured decoder drafting token trees of each of these widths.
     """
     eos = decoder.eos_token_ids
     model = decoder.target.backend.model
@@ -126,7 +134,22 @@ def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: li
     configs["specdecode as configured"] = _our_runner(target, lambda: decoder._proposer(draft),
                                                       decoder.num_speculative_tokens, new_tokens, sampling,
                                                       decoder.guard_costs if sampling.greedy else None,
-                                                      gamma_schedule=decoder.gamma_schedule)
+                                                      gamma_schedule=decoder.gamma_schedule,
+                                                      verification=decoder.verification)
+    if compare_verification and draft is not None:
+        other = "block" if decoder.verification == "token" else "token"
+        configs[f"specdecode as configured, {other} verification"] = _our_runner(
+            target, lambda: decoder._proposer(draft), decoder.num_speculative_tokens, new_tokens, sampling,
+            decoder.guard_costs if sampling.greedy else None, gamma_schedule=decoder.gamma_schedule,
+            verification=other)
+        for g in gammas:
+            configs[f"specdecode γ={g}, block verification"] = _our_runner(
+                target, lambda: DraftModelProposer(draft), g, new_tokens, sampling, verification="block")
+    for width in tree_widths if draft is not None else ():
+        configs[f"specdecode as configured, tree width {width}"] = _our_runner(
+            target, lambda width=width: decoder._proposer(draft, tree_width=width), decoder.num_speculative_tokens,
+            new_tokens, sampling, decoder.guard_costs if sampling.greedy else None,
+            gamma_schedule=decoder.gamma_schedule)
     if not headline:
         configs["prompt lookup alone"] = _our_runner(
             target, lambda: PromptLookupProposer(target.vocab_size), decoder.num_speculative_tokens, new_tokens, sampling)
@@ -213,6 +236,12 @@ def summarize(timings: dict, costs: dict, tasks: list[str]) -> list[dict]:
             row["accepted_over_drafted"] = sum(s.num_accepted for s in st) / sum(s.num_drafted for s in st)
             row["tokens_per_call"] = sum(s.num_generated for s in st) / sum(s.num_target_calls for s in st)
             row["draft_share_of_time"] = sum(s.time_draft_s for s in st) / sum(s.wall_time_s for s in st)
+            # The ceiling of this configuration (issue 13): Eq. 1 at its α̂ and γ_max with a free
+            # draft (c → 0), over the measured cost of verifying γ_max drafts, r(γ_max + 1).
+            gamma_max = len(st[0].accepted_per_position)
+            r_full = costs.get("r", {}).get(gamma_max + 1)
+            if gamma_max and r_full:
+                row["limit_c0"] = expected_tokens(min(row["alpha_hat"], 0.999999), gamma_max) / r_full
         if st:  # where the time goes inside the loop (the first target call also reads the prompt)
             wall = sum(s.wall_time_s for s in st)
             row["target_call_ms"] = 1000 * sum(s.time_target_s for s in st) / sum(s.num_target_calls for s in st)
@@ -256,12 +285,13 @@ def _measured(row: dict) -> float:
 def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens: int, repeats: int,
                  gammas: list[int], sampling: SamplingParams, hf_schedules: list[str], out: str,
                  hf_drafts: dict | None = None, lenience: list[float] = (), batch_sizes: list[int] = (),
-                 headline: bool = False,
+                 headline: bool = False, compare_verification: bool = False, tree_widths: list[int] = (),
                  progress: Callable[[int, int, str], None] | None = None) -> dict:
     """Run the benchmark and write OUT.{json,md} and OUT_*.png. Raises ValueError for an
     encoder–decoder pair (not supported yet). Returns {"meta", "costs", "rows",
     "theory", "batch"}. batch_sizes: also time batched plain and speculative decoding (draft model,
-    γ = BATCH_GAMMA) at these batch sizes (specdecode.measure.batch_bench)."""
+    γ = BATCH_GAMMA) at these batch sizes (specdecode.measure.batch_bench). compare_verification,
+    tree_widths: see build_configs."""
     from specdecode.measure.data import load_prompts
     from specdecode.measure.plots import (
         plot_expected_tokens,
@@ -277,7 +307,8 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
     max_k = max(gammas + [decoder.num_speculative_tokens]) + 1
     draft = decoder.draft.backend if decoder.draft is not None else None
     costs = measure_costs(decoder.target.backend, draft, prompts[0][1], list(range(1, max_k + 1)))
-    configs = build_configs(decoder, new_tokens, sampling, gammas, hf_schedules, hf_drafts, lenience, headline)
+    configs = build_configs(decoder, new_tokens, sampling, gammas, hf_schedules, hf_drafts, lenience, headline,
+                            compare_verification, tree_widths)
     timings = run_configs(configs, prompts, repeats, progress)
     rows = summarize(timings, costs, tasks)
     best = theory(rows, costs, max_k)
@@ -285,7 +316,7 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
     meta = environment(target=decoder.target.name, draft=decoder.draft.name if decoder.draft else None,
                        dtype=str(decoder.dtype).removeprefix("torch."), temperature=sampling.temperature,
                        tasks=",".join(tasks), prompts_per_task=prompts_per_task, new_tokens=new_tokens,
-                       repeats=repeats)
+                       repeats=repeats, verification=decoder.verification, tree_width=decoder.tree_width)
     body = [f"c = draft step / target step = {fmt(costs.get('c'), 3)} (target step {costs['target_step_s'] * 1000:.0f} ms"
             + (f", draft step {costs['draft_step_s'] * 1000:.0f} ms" if "draft_step_s" in costs else "") + "); "
             "verify cost r(k) = T(k tokens) / T(1 token): "
@@ -306,12 +337,16 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
                         f"{r['draft_share_of_time']:.0%}" if "draft_share_of_time" in r else "–",
                         fmt(r.get("target_call_ms"), 0), fmt(r.get("draft_forward_ms"), 0),
                         f"{r['other_share_of_time']:.0%}" if "other_share_of_time" in r else "–",
+                        f"{fmt(r['limit_c0'])}x" if "limit_c0" in r else "–",
                         f"{r['same_tokens_as_hf']}/{len(prompts)}"])
     body += markdown_table(["configuration", "tokens/s"] + [f"speedup ({t})" for t in speed_cols]
                            + (["vs our plain"] if has_plain else [])
                            + ["α̂", "tokens/call", "Eq. 1", "Thm 3.8", "Thm 3.8 with r", "draft share",
-                              "target call (ms)", "draft forward (ms)", "other share",
+                              "target call (ms)", "draft forward (ms)", "other share", "limit (c → 0)",
                               "same tokens as target alone"], table)
+    body += ["", "Limit (c → 0): Eq. 1 at the row's α̂ and γ_max with a free draft, divided by the measured "
+                 "r(γ_max + 1); the gap to it is the draft's time (draft share), dynamic γ stopping short, and "
+                 "the loop's own time (other share)."]
     if best:
         body += ["", f"Theory from the sweep's pooled α̂ = {best['alpha_pooled']:.3f} and c = {best['c']:.3f}: "
                      f"optimal γ = {best['optimal_gamma']} ({best['optimal_speedup']:.2f}x); with the measured r(k): "

@@ -9,25 +9,36 @@ import time
 import torch
 
 
-def time_forwards(backend, context: list[int], sizes: list[int], repeats: int = 7,
-                  encoder_input_ids: list[int] | None = None) -> dict[int, float]:
-    """Median seconds of one call appending k tokens (and scoring all k) after `context`, for each
-    k in sizes, on one row. The row is rolled back after each call, so every call sees the same
-    length; the sizes are interleaved and a first round is discarded, so warm-up and drift hit
-    all alike. The backend is left empty."""
+def _timer(backend, context: list[int], encoder_input_ids):
+    """A function k → seconds of one call appending k tokens (and scoring all k) after `context`
+    on one row, rolled back after each call so that every call sees the same length."""
     backend.reset()
     backend.add_row(encoder_input_ids)
     backend.forward([context], 1)
+
+    def once(k: int) -> float:
+        start = time.perf_counter()
+        backend.forward([(context * k)[-k:]], k)
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize(backend.device)
+        seconds = time.perf_counter() - start
+        backend.truncate([len(context)])
+        return seconds
+    return once
+
+
+def time_forwards(backend, context: list[int], sizes: list[int], repeats: int = 7,
+                  encoder_input_ids: list[int] | None = None) -> dict[int, float]:
+    """Median seconds of one call appending k tokens after `context`, for each k in sizes, on one
+    row. The sizes are interleaved and a first round is discarded, so warm-up and drift hit all
+    alike. The backend is left empty."""
+    once = _timer(backend, context, encoder_input_ids)
     times = {k: [] for k in sizes}
     for round_ in range(repeats + 1):
         for k in sizes:
-            start = time.perf_counter()
-            backend.forward([(context * k)[-k:]], k)
-            if backend.device.type == "cuda":
-                torch.cuda.synchronize(backend.device)
+            seconds = once(k)
             if round_:
-                times[k].append(time.perf_counter() - start)
-            backend.truncate([len(context)])
+                times[k].append(seconds)
     backend.reset()
     return {k: statistics.median(v) for k, v in times.items()}
 
@@ -35,11 +46,30 @@ def time_forwards(backend, context: list[int], sizes: list[int], repeats: int = 
 def measure_costs(target, draft, context: list[int], sizes: list[int] = (1,), repeats: int = 7,
                   encoder_input_ids: list[int] | None = None) -> dict:
     """{"target_step_s", "r": {k: r(k) for k in sizes}, and with a draft "draft_step_s", "c"} at
-    this context length (an encoder–decoder pair's decoders attend to encoder_input_ids)."""
-    target_times = time_forwards(target, context, sorted({1, *sizes}), repeats, encoder_input_ids)
-    one = target_times[1]
-    costs = {"target_step_s": one, "r": {k: t / one for k, t in target_times.items()}}
+    this context length (an encoder–decoder pair's decoders attend to encoder_input_ids).
+
+    Each round times every target size and a draft step back to back, and c and r(k) are medians
+    of the rounds' own ratios: a load spike slows both models of a round alike, where timing
+    one model after the other would charge it to one of them (and a guard given that c would
+    pause drafting for a whole run). The backends are left empty."""
+    sizes = sorted({1, *sizes})
+    target_once = _timer(target, context, encoder_input_ids)
+    draft_once = _timer(draft, context, encoder_input_ids) if draft is not None else None
+    times = {k: [] for k in sizes}
+    drafts = []
+    for round_ in range(repeats + 1):
+        row = {k: target_once(k) for k in sizes}
+        step = draft_once(1) if draft_once else None
+        if round_:
+            for k in sizes:
+                times[k].append(row[k])
+            drafts.append(step)
+    target.reset()
+    one = statistics.median(times[1])
+    costs = {"target_step_s": one,
+             "r": {k: statistics.median(t / o for t, o in zip(times[k], times[1])) for k in sizes}}
     if draft is not None:
-        costs["draft_step_s"] = time_forwards(draft, context, [1], repeats, encoder_input_ids)[1]
-        costs["c"] = costs["draft_step_s"] / one
+        draft.reset()
+        costs["draft_step_s"] = statistics.median(drafts)
+        costs["c"] = statistics.median(d / o for d, o in zip(drafts, times[1]))
     return costs

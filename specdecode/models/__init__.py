@@ -7,8 +7,12 @@ Every backend has (DESIGN.md §2, §5 rule 5):
     max_rows: int | None                  the most rows it can hold (None: no limit)
     device: torch.device                  where its tensors live
     num_rows: int;  lengths: list[int]    rows held, and tokens held per row
-    add_row(encoder_input_ids=None)       appends an empty row (an encoder–decoder backend takes
-                                          the request's encoder input here)
+    add_row(encoder_input_ids=None, prefix_ids=())
+                                          appends a row holding prefix_ids, read alone (not
+                                          padded to the batch); an encoder–decoder backend takes
+                                          the request's encoder input here and no prefix
+    fill(row, ids)                        gives an empty row ids, read alone (backends with
+                                          max_rows != 1)
     forward(feeds: list[list[int]], num_logits) -> [B, num_logits, V] float32
                                           appends feeds[b] (may be empty) to row b; row b's
                                           logits are its last min(num_logits, len(feeds[b]))

@@ -103,14 +103,19 @@ class HFCausalLM:
 
     def reset(self) -> None:
         """Drop every row."""
-        self.cache = self._cache_class(config=self.model.config)
-        # Sliding-window layers drop states past the window unless told to keep them, and then a
-        # rollback past the window would be impossible.
-        for layer in getattr(self.cache, "layers", []):
-            if hasattr(layer, "activate_past_recording"):
-                layer.activate_past_recording()
+        self.cache = self._new_cache()
         self.valid = torch.zeros((0, 0), dtype=torch.bool, device=self.device)
         self._lengths = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._trees = None  # after a tree forward: per row, (first tree slot, parents) or None
+
+    def _new_cache(self):
+        cache = self._cache_class(config=self.model.config)
+        # Sliding-window layers drop states past the window unless told to keep them, and then a
+        # rollback past the window would be impossible.
+        for layer in getattr(cache, "layers", []):
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+        return cache
 
     @property
     def num_rows(self) -> int:
@@ -125,8 +130,8 @@ class HFCausalLM:
     def num_slots(self) -> int:
         return self.valid.shape[1]
 
-    def add_row(self, encoder_input_ids=None) -> None:
-        """Append an empty row (a request joins the batch).
+    def add_row(self, encoder_input_ids=None, prefix_ids=()) -> None:
+        """Append a row (a request joins the batch) holding prefix_ids, read alone (`fill`).
 
         Raises:
             ValueError: encoder_input_ids given (this is a decoder-only model), or a second row
@@ -146,19 +151,72 @@ class HFCausalLM:
             for name in ("keys", "values"):
                 states = getattr(layer, name)
                 setattr(layer, name, torch.cat([states, states.new_zeros((1, *states.shape[1:]))]))
+        if prefix_ids:
+            self.fill(self.num_rows - 1, prefix_ids)
 
     @torch.inference_mode()
-    def forward(self, feeds: list[list[int]], num_logits: int) -> torch.Tensor:
+    def fill(self, row: int, ids) -> None:
+        """Give the empty row `row` the tokens ids, read in a forward of its own.
+
+        Their keys and values go right-aligned into the row's slots (every row gets that many
+        invalid slots more on the left if ids are longer than the cache). Reading them with the
+        next batched forward instead would pad every other row's feed to their length: with B
+        rows a 150-token prompt would cost B × 150 token reads, not 150.
+
+        Raises:
+            ValueError: the row already holds tokens.
+        """
+        if int(self._lengths[row]) != 0:
+            raise ValueError(f"row {row} holds {int(self._lengths[row])} tokens; only an empty row can be filled")
+        n = len(ids)
+        if n == 0:
+            return
+        read = self._read_alone([int(t) for t in ids])
+        grow = max(0, n - self.num_slots)
+        width = self.num_slots + grow
+        self.valid = torch.nn.functional.pad(self.valid, (grow, 0), value=False)
+        self.valid[row, width - n:] = True
+        self._lengths[row] = n
+        for layer, new in zip(self.cache.layers, read):
+            empty = getattr(layer, "keys", None) is None or layer.keys.numel() == 0
+            for name, states_read in zip(("keys", "values"), new):
+                if empty:  # nothing read before: every row gets `width` invalid slots
+                    states = states_read.new_zeros((self.num_rows, states_read.shape[1], width, states_read.shape[3]))
+                else:
+                    states = torch.nn.functional.pad(getattr(layer, name), (0, 0, grow, 0))
+                states[row, :, width - n:] = states_read[0]
+                setattr(layer, name, states)
+            if empty:
+                layer.is_initialized, layer.device = True, self.device
+
+    @torch.inference_mode()
+    def _read_alone(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (keys, values) [1, H, len(ids), D] for ids read from position 0."""
+        cache = self._new_cache()
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
+        self.model.get_decoder()(input_ids=tokens, cache=cache, use_cache=True)
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
+    @torch.inference_mode()
+    def forward(self, feeds: list[list[int]], num_logits: int,
+                trees: list[list[int] | None] | None = None) -> torch.Tensor:
         """Append feeds[b] (possibly empty) to row b; return the next-token logits after each of
         the last `num_logits` slots, [B, num_logits, V] float32. Entries of a row that fall on its
         padding (fewer than num_logits new tokens) are meaningless.
 
+        trees: per row, None or the parents of a token tree that forms the last len(parents)
+            tokens of its feed (parent -1: the token before the tree; else an earlier node).
+            Each node attends to the row's tokens before the tree and to its own ancestors, at
+            position (tokens before the tree) + depth, so its logits are those of its own path
+            alone (SpecInfer's tree attention). keep_tree_paths must follow before any other call.
         Raises:
             ValueError: len(feeds) differs from the number of rows, or every feed is empty.
         """
         batch, width = len(feeds), max((len(f) for f in feeds), default=0)
         if batch != self.num_rows or width == 0:
             raise ValueError(f"need {self.num_rows} feeds, not all empty; got lengths {[len(f) for f in feeds]}")
+        trees = trees if trees is not None and any(t is not None for t in trees) else None
+        self._trees = None
         if all(len(f) == width for f in feeds):
             tokens = torch.tensor(feeds, dtype=torch.long, device=self.device)
             new_valid = torch.ones((batch, width), dtype=torch.bool, device=self.device)
@@ -171,8 +229,11 @@ class HFCausalLM:
                     new_valid[b, width - len(feed):] = True
         positions = (self._lengths[:, None] + new_valid.long().cumsum(1) - 1).clamp(min=0)
         valid = torch.cat([self.valid, new_valid], dim=1)
+        tree_blocks = None
+        if trees is not None:
+            tree_blocks = self._tree_blocks(trees, [len(f) for f in feeds], positions, width)
         # Dense rows (one row always is) need no mask: the model's own causal path.
-        mask = None if bool(valid.all()) else self._mask(valid, width)
+        mask = None if bool(valid.all()) and trees is None else self._mask(valid, width, tree_blocks)
         if self._head is not None:
             hidden = self.model.get_decoder()(input_ids=tokens, attention_mask=mask, position_ids=positions,
                                               cache=self.cache, use_cache=True).last_hidden_state
@@ -180,17 +241,73 @@ class HFCausalLM:
         else:
             logits = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
                                 use_cache=True, logits_to_keep=num_logits).logits
+        if trees is not None:
+            first = self.num_slots + width  # slot index of each tree's first node, from its end
+            self._trees = [None if t is None else (first - len(t), list(t)) for t in trees]
         self.valid = valid
         self._lengths = self._lengths + new_valid.sum(1)
         return logits.float().to(self.device)  # no-op unless a device_map put the head elsewhere
 
-    def _mask(self, valid: torch.Tensor, width: int) -> torch.Tensor:
+    def _tree_blocks(self, trees, feed_lengths: list[int], positions: torch.Tensor, width: int) -> list:
+        """Per tree row: (first column among the new tokens, [n, n] ancestor-or-self map); sets
+        the nodes' positions to the position after the tokens before the tree plus their depth."""
+        blocks = []
+        for b, parents in enumerate(trees):
+            if parents is None:
+                blocks.append(None)
+                continue
+            n = len(parents)
+            if any(not -1 <= parent < i for i, parent in enumerate(parents)):
+                raise ValueError(f"every parent must be -1 or an earlier node, got {parents}")
+            sees = torch.eye(n, dtype=torch.bool)
+            depth = [0] * n
+            for i, parent in enumerate(parents):
+                if parent >= 0:
+                    sees[i] |= sees[parent]
+                    depth[i] = depth[parent] + 1
+            if n > feed_lengths[b]:
+                raise ValueError(f"row {b}: a tree of {n} nodes in a feed of {feed_lengths[b]} tokens")
+            positions[b, width - n:] = self._lengths[b] + feed_lengths[b] - n + torch.tensor(depth, device=self.device)
+            blocks.append((width - n, sees.to(self.device)))
+        return blocks
+
+    @torch.inference_mode()
+    def keep_tree_paths(self, paths: list[list[int] | None]) -> None:
+        """After a tree forward: row b keeps, of its tree, only the nodes of paths[b] (a path from
+        the root down, possibly empty); None leaves a row without a tree as it is. The cache then
+        holds exactly the row's tokens before the tree and that path.
+
+        Raises:
+            ValueError: no tree forward came just before, a tree row given None, or a path that
+                is not a root-to-node path of its tree.
+        """
+        if self._trees is None or len(paths) != len(self._trees):
+            raise ValueError("keep_tree_paths needs the tree forward just before it, one entry per row")
+        for b, (tree, path) in enumerate(zip(self._trees, paths)):
+            if tree is None:
+                continue
+            first, parents = tree
+            if path is None or any(not 0 <= node < len(parents) or parents[node] != (path[j - 1] if j else -1)
+                                   for j, node in enumerate(path)):
+                raise ValueError(f"row {b}: {path} is not a path from the root of its tree (parents {parents})")
+            drop = [first + i for i in range(len(parents)) if i not in set(path)]
+            self.valid[b, drop] = False
+            self._lengths[b] -= len(drop)
+        self._trees = None
+        self._reclaim()
+
+    def _mask(self, valid: torch.Tensor, width: int, tree_blocks: list | None = None) -> torch.Tensor:
         """[B, 1, T, S] additive float mask: 0 where the query may look, dtype-min elsewhere."""
         slots = valid.shape[1]
         key = torch.arange(slots, device=self.device)
         query = torch.arange(slots - width, slots, device=self.device)
         causal = key[None, :] <= query[:, None]                      # [T, S]
         allowed = valid[:, None, :] & causal[None]                   # [B, T, S]
+        for b, block in enumerate(tree_blocks or []):
+            if block is not None:  # a tree's nodes see their ancestors, not their other elders
+                start, sees = block
+                n = sees.shape[0]
+                allowed[b, start:, slots - n:] = sees
         allowed |= (key[None, :] == query[:, None])[None]            # padding queries see themselves
         dtype = self.model.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed, torch.finfo(dtype).min)

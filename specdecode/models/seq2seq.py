@@ -89,14 +89,17 @@ class Seq2SeqLM:
         self._length = 0
 
     @torch.inference_mode()
-    def add_row(self, encoder_input_ids=None) -> None:
+    def add_row(self, encoder_input_ids=None, prefix_ids=()) -> None:
         """Take the request's input ([T] token ids, no padding): encode it once (the same input
         as the last request keeps its encoder output and cross-attention keys/values) and start an
         empty decoder row.
 
         Raises:
-            ValueError: no encoder input, or a row is already held.
+            ValueError: no encoder input, a decoder prefix (a single row reads its prefix with
+                its first forward), or a row is already held.
         """
+        if prefix_ids:
+            raise ValueError("an encoder-decoder backend reads its decoder prefix with the first forward")
         if encoder_input_ids is None:
             raise ValueError("an encoder-decoder model needs the request's encoder input")
         if self._has_row:

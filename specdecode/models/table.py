@@ -51,24 +51,67 @@ class TableModel:
     def reset(self) -> None:
         self.rows = []
 
-    def add_row(self, encoder_input_ids=None) -> None:
+    def add_row(self, encoder_input_ids=None, prefix_ids=()) -> None:
         if encoder_input_ids is not None:
             raise ValueError("a table model takes no encoder input")
         self.rows.append([])
+        self.fill(len(self.rows) - 1, prefix_ids)
 
-    def forward(self, feeds: list[list[int]], num_logits: int) -> torch.Tensor:
-        """Append feeds[b] to row b; [B, num_logits, V]: row b's logits right-aligned, 0 elsewhere."""
+    def fill(self, row: int, ids) -> None:
+        """Give the empty row `row` the tokens ids."""
+        if self.rows[row]:
+            raise ValueError(f"row {row} holds {len(self.rows[row])} tokens; only an empty row can be filled")
+        self.rows[row] = [int(t) for t in ids]
+
+    def forward(self, feeds: list[list[int]], num_logits: int,
+                trees: list[list[int] | None] | None = None) -> torch.Tensor:
+        """Append feeds[b] to row b; [B, num_logits, V]: row b's logits right-aligned, 0 elsewhere.
+        trees: as HFCausalLM.forward (a tree node's logits are those after its own path)."""
         if len(feeds) != len(self.rows) or not any(len(f) for f in feeds):
             raise ValueError(f"need {len(self.rows)} feeds, not all empty; got lengths {[len(f) for f in feeds]}")
+        trees = trees or [None] * len(feeds)
         self.num_forward_calls += 1
+        self._trees = [None] * len(feeds)
         out = torch.zeros((len(feeds), num_logits, self.vocab_size))
-        for b, feed in enumerate(feeds):
+        for b, (feed, parents) in enumerate(zip(feeds, trees)):
             row = self.rows[b]
-            row.extend(int(t) for t in feed)
+            n = len(parents) if parents is not None else 0
+            if any(not -1 <= parent < i for i, parent in enumerate(parents or [])) or n > len(feed):
+                raise ValueError(f"row {b}: bad tree parents {parents} for a feed of {len(feed)} tokens")
+            row.extend(int(t) for t in feed[:len(feed) - n])
+            # the prefix each fed token's logits follow: the row so far, or for a tree node its path
+            contexts = [row[:len(row) - (len(feed) - n) + j + 1] for j in range(len(feed) - n)]
+            before = list(row)
+            tree_tokens = [int(t) for t in feed[len(feed) - n:]]
+            for i in range(n):
+                path, node = [], i
+                while node != -1:
+                    path.append(tree_tokens[node])
+                    node = parents[node]
+                contexts.append(before + path[::-1])
+            if parents is not None:
+                self._trees[b] = (len(row), list(parents), tree_tokens)
+                row.extend(tree_tokens)
             m = min(num_logits, len(feed))
             for j in range(m):
-                out[b, num_logits - m + j] = self.logits_for(row[:len(row) - m + j + 1])
+                out[b, num_logits - m + j] = self.logits_for(contexts[len(feed) - m + j])
         return out
+
+    def keep_tree_paths(self, paths: list[list[int] | None]) -> None:
+        """After a tree forward, row b keeps only the nodes of paths[b] of its tree (as HFCausalLM)."""
+        trees = getattr(self, "_trees", None)
+        if trees is None or len(paths) != len(trees):
+            raise ValueError("keep_tree_paths needs the tree forward just before it, one entry per row")
+        for b, (tree, path) in enumerate(zip(trees, paths)):
+            if tree is None:
+                continue
+            first, parents, tokens = tree
+            if path is None or any(not 0 <= node < len(parents) or parents[node] != (path[j - 1] if j else -1)
+                                   for j, node in enumerate(path)):
+                raise ValueError(f"row {b}: {path} is not a path from the root of its tree (parents {parents})")
+            del self.rows[b][first:]
+            self.rows[b].extend(tokens[node] for node in path)
+        self._trees = None
 
     def truncate(self, lengths: list[int]) -> None:
         if len(lengths) != len(self.rows) or any(not 0 <= n <= len(r) for r, n in zip(self.rows, lengths)):

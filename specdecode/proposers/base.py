@@ -22,6 +22,22 @@ class Draft:
     probs: torch.Tensor    # [k', V] float32, the q each token was sampled from; one-hot if deterministic
     forwards: int = 0      # draft-model forwards this row took part in
     lookup: bool = False   # copied by prompt lookup
+    # A token tree instead of a chain: parents[i] is node i's parent (-1: the committed prefix),
+    # siblings in the order drawn (verify.tree_step). None: tokens form one chain.
+    parents: tuple[int, ...] | None = None
+
+    @property
+    def chain(self) -> list[int]:
+        """The main chain's nodes: from the root, always the first child (all tokens for a chain).
+        The draft model's cache holds this chain, and γ counts its length."""
+        if self.parents is None:
+            return list(range(len(self.tokens)))
+        chain, node = [], -1
+        for i, parent in enumerate(self.parents):
+            if parent == node:
+                chain.append(i)
+                node = i
+        return chain
 
 
 def no_draft(vocab_size: int, device) -> Draft:

@@ -134,7 +134,14 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
         if result is None:  # the client left; nobody reads this
             return Response(status_code=499)
         metrics.requests.labels(status="200").inc()
-        return protocol.full_response(ids, result, prompt_tokens)
+        return protocol.full_response(ids, result, prompt_tokens, token_text, visible_text)
+
+    def token_text(token_id: int) -> str:
+        return decoder.tokenizer.decode([token_id])
+
+    def visible_text(token_id: int) -> str:
+        # what the token adds to the text (special tokens add nothing): text_offset counts this
+        return decoder.tokenizer.decode([token_id], skip_special_tokens=True)
 
     async def read_json(http: HttpRequest):
         declared = http.headers.get("content-length")
@@ -191,6 +198,21 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
 
     async def stream(handle: Handle, ids, prompt_tokens: int, include_usage: bool):
         outcome, state = "aborted", {}  # until the stream ends on its own
+        offset = 0  # legacy completions' text_offset, across chunks
+
+        def chunk_logprobs(events, result=None):
+            nonlocal offset
+            entries = [e.logprob for e in events if e.logprob is not None]
+            if result is not None and result.finish_reason == "eos" and entries:
+                entries = entries[:-1]  # the EOS that ended the output is not listed
+            if handle.request.config.logprobs is None:
+                return None
+            if ids.chat:
+                return protocol.chat_logprobs(entries, token_text)
+            body = protocol.completion_logprobs(entries, token_text, offset, visible_text)
+            offset += sum(len(visible_text(e.token_id)) for e in entries)
+            return body
+
         try:
             if ids.chat:
                 yield sse(protocol.chunk(ids, "", [], role=True))
@@ -207,13 +229,15 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
                 tokens = [{"id": e.token_id, "text": e.text, "origin": e.origin} for e in item.events]
                 if item.result is None:
                     if tokens:
-                        yield sse(protocol.chunk(ids, "".join(e.text for e in item.events), tokens, stats=item.stats))
+                        yield sse(protocol.chunk(ids, "".join(e.text for e in item.events), tokens, stats=item.stats,
+                                                 logprobs=chunk_logprobs(item.events)))
                     continue
                 result = item.result
                 outcome = "200"
                 count_tokens(result)
                 yield sse(protocol.chunk(ids, "".join(e.text for e in item.events), tokens,
-                                         protocol.finish_reason(result.finish_reason), stats=result.stats))
+                                         protocol.finish_reason(result.finish_reason), stats=result.stats,
+                                         logprobs=chunk_logprobs(item.events, result)))
                 if include_usage:
                     completion = len(result.token_ids) - int(result.finish_reason == "eos")
                     yield sse({**ids.base(chunk=True), "choices": [],
@@ -272,8 +296,20 @@ def build_request(decoder, req, chat: bool) -> tuple[Request, int]:
     try:
         sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                   top_p=1.0 if req.top_p is None else req.top_p,
-                                  top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, seed=req.seed)
-        config = decoder.config(max_new, sampling, protocol.stops(req))
+                                  top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, seed=req.seed,
+                                  repetition_penalty=req.repetition_penalty or 1.0,
+                                  presence_penalty=req.presence_penalty or 0.0,
+                                  frequency_penalty=req.frequency_penalty or 0.0)
+    except (ValueError, TypeError) as err:
+        raise ApiError(400, str(err)) from None
+    field = "grammar" if req.grammar is not None else "response_format"
+    try:
+        grammar = decoder.grammar(req.response_format, req.grammar)
+    except (ValueError, ImportError) as err:
+        raise ApiError(400, f"{field}: {err}", field) from None
+    try:
+        config = decoder.config(max_new, sampling, protocol.stops(req), logprobs=protocol.num_logprobs(req),
+                                grammar=grammar)
     except (ValueError, TypeError) as err:
         raise ApiError(400, str(err)) from None
     if req.num_speculative_tokens is not None:

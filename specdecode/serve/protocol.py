@@ -2,8 +2,12 @@
 outputs turned into response bodies and stream chunks. Pure functions and dataclasses (no I/O).
 
 Errors are `ApiError(status, message, param)`, sent as {"error": {"message", "type", "param",
-"code"}}. Fields the engine cannot honour exactly yet (logprobs, penalties, n > 1) are refused
+"code"}}. Fields the engine cannot honour exactly yet (logit_bias, n > 1, tools, ...) are refused
 with a 400 naming the field rather than silently ignored.
+
+Logprobs are the target's raw log-probabilities (before penalties, grammar and temperature), in
+OpenAI's chat `logprobs.content[]` and legacy completions `logprobs` shapes; the EOS token that
+ends an output is not listed (nor counted in usage).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 MAX_GAMMA = 64
+MAX_LOGPROBS = 20
 Number = Annotated[float, Field(strict=True)]  # JSON numbers only: "0.5" and true are refused
 
 
@@ -51,8 +56,11 @@ class _Common(BaseModel):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     n: StrictInt | None = 1
-    presence_penalty: Number | None = 0.0
-    frequency_penalty: Number | None = 0.0
+    presence_penalty: Number | None = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: Number | None = Field(default=None, gt=0)   # vLLM's extension; transformers' semantics
+    response_format: dict | None = None
+    grammar: StrictStr | None = None                                 # EBNF, or "regex:PATTERN"
     num_speculative_tokens: StrictInt | None = Field(default=None, ge=0, le=MAX_GAMMA)
 
 
@@ -75,12 +83,12 @@ class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictInt]
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool | None = False
 
 
@@ -92,9 +100,6 @@ UNSUPPORTED = {"logit_bias": ((None, {}), "logit_bias is not supported"),
                "tools": ((None, []), "tools are not supported"),
                "tool_choice": ((None, "none"), "tool_choice is not supported"),
                "functions": ((None, []), "functions are not supported"),
-               "response_format": ((None, {"type": "text"}), "response_format is not supported yet"),
-               "logprobs": ((None, False), "logprobs are not supported yet"),
-               "top_logprobs": ((None,), "top_logprobs are not supported yet"),
                "echo": ((None, False), "echo is not supported")}
 
 
@@ -133,9 +138,8 @@ def refuse_unsupported(request, body: dict) -> None:
     """What the engine does not do exactly yet gets a clear 400, never a silent change of output."""
     if request.n not in (None, 1):
         raise ApiError(400, "n must be 1: one completion per request", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, name):
-            raise ApiError(400, f"{name} is not supported yet (only 0)", name)
+    if getattr(request, "top_logprobs", None) is not None and not getattr(request, "logprobs", False):
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     for name, (neutral, message) in UNSUPPORTED.items():
         if not any(_same(body.get(name), v) for v in neutral):
             raise ApiError(400, message, name)
@@ -147,6 +151,37 @@ def refuse_unsupported(request, body: dict) -> None:
 
 def stops(request) -> list[str]:
     return [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+
+
+def num_logprobs(request) -> int | None:
+    """The alternatives per token the request wants (None: no logprobs)."""
+    if isinstance(request.logprobs, bool):  # chat
+        return (request.top_logprobs or 0) if request.logprobs else None
+    return request.logprobs
+
+
+def chat_logprobs(entries, token_text) -> dict:
+    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}.
+    token_text: id → its text."""
+    def item(token_id, logprob):
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [item(e.token_id, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(entries, token_text, offset: int = 0, visible_text=None) -> dict:
+    """Legacy completions `logprobs`: tokens, token_logprobs, top_logprobs ({text: logprob} per
+    token), text_offset (from `offset`, in characters of the text: visible_text(id) is what a
+    token adds to it, token_text by default)."""
+    tokens = [token_text(e.token_id) for e in entries]
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len((visible_text or token_text)(e.token_id))
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
 
 def max_tokens(request, default: int) -> int:
@@ -185,10 +220,14 @@ class ResponseIds:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def full_response(ids: ResponseIds, result, prompt_tokens: int) -> dict:
-    """The non-streamed body for a finished GenerationResult."""
+def full_response(ids: ResponseIds, result, prompt_tokens: int, token_text=None, visible_text=None) -> dict:
+    """The non-streamed body for a finished GenerationResult (token_text: id → text, for logprobs)."""
     finished_by_eos = result.finish_reason == "eos"
     choice = {"index": 0, "finish_reason": finish_reason(result.finish_reason), "logprobs": None}
+    if result.logprobs is not None:
+        entries = result.logprobs[:len(result.token_ids) - int(finished_by_eos)]
+        choice["logprobs"] = chat_logprobs(entries, token_text) if ids.chat else \
+            completion_logprobs(entries, token_text, 0, visible_text)
     if ids.chat:
         choice["message"] = {"role": "assistant", "content": result.text}
     else:
@@ -199,10 +238,11 @@ def full_response(ids: ResponseIds, result, prompt_tokens: int) -> dict:
 
 
 def chunk(ids: ResponseIds, text: str | None, tokens: list[dict], finish: str | None = None,
-          role: bool = False, stats=None) -> dict:
+          role: bool = False, stats=None, logprobs: dict | None = None) -> dict:
     """One SSE chunk: a delta of text (chat: role first), the tokens it holds with their origin
-    (an extension, for the live page), the finish reason on the last, running speculation stats."""
-    choice: dict = {"index": 0, "finish_reason": finish, "logprobs": None}
+    (an extension, for the live page), the finish reason on the last, running speculation stats,
+    and the chunk's logprobs (chat_logprobs / completion_logprobs of its tokens)."""
+    choice: dict = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
     if ids.chat:
         delta: dict = {}
         if role:

@@ -1,0 +1,177 @@
+"""Per-request logits transforms that depend on the prefix: penalties, user logits processors and
+grammar masks (DESIGN.md rule 9).
+
+A request's `LogitsPipeline` turns the raw logits of a position into the logits it really samples
+from, before `sampling.adjust` (temperature, top-k, top-p, min-p). Speculative decoding stays
+exact only if the target's p_i and the draft's q_i at drafted position i are that distribution
+with the prefix *committed tokens + drafts before i* (paper §2.3 holds position by position), so
+every transform is called as `transform(committed, drafts, logits, start)`: row i of `logits`
+[n, V] is the position after `committed + drafts[:start + i]` (the target scores start = 0 and
+n = k + 1; the draft scores one position at a time, start = drafts so far). Nothing learnt from a draft may outlive the call: a
+transform is a function of the prefix (it may cache what it learnt from committed tokens, which
+never change, but must forget the drafts before returning).
+
+Order (the same on both sides): repetition penalty, presence/frequency penalties, the request's
+logits processors in order, the grammar mask.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+
+class Transform(Protocol):
+    def __call__(self, committed: Sequence[int], drafts: Sequence[int], logits: torch.Tensor,
+                 start: int = 0) -> torch.Tensor:
+        """logits [n, V] float32 (start + n <= len(drafts) + 1), row i after committed +
+        drafts[:start + i] → the same shape (a new tensor or logits changed in place)."""
+
+
+def _draft_counts(drafts: Sequence[int], start: int, n: int, vocab: int, device) -> torch.Tensor:
+    """[n, V] float32: row i counts each id among drafts[:start + i]."""
+    counts = torch.zeros((n, vocab), device=device)
+    ids = list(drafts[:start + n - 1])
+    if ids:
+        # draft j is counted from row j + 1 - start on (row 0 for the first `start`)
+        rows = (torch.arange(len(ids), device=device) + 1 - start).clamp(min=0)
+        index = torch.tensor(ids, device=device).clamp(max=vocab - 1)
+        counts.index_put_((rows, index), torch.ones(len(ids), device=device), accumulate=True)
+        counts = counts.cumsum(0)
+    return counts
+
+
+class Penalties:
+    """repetition_penalty with transformers' semantics (RepetitionPenaltyLogitsProcessor: every id
+    in the prefix, prompt included, has its logit divided by the penalty if positive, multiplied
+    if negative), then OpenAI's presence and frequency penalties over the generated tokens only
+    (logit −= frequency × count + presence × [count > 0]).
+
+    Keeps the counts of the committed tokens (they only grow), adding the drafts per call.
+
+    Args:
+        repetition: > 0 (1 = off).  presence, frequency: in [-2, 2] (0 = off).
+        prompt_len: the committed tokens before this many are the prompt (not "generated").
+        vocab_size: V, the width of the logits.
+    """
+
+    def __init__(self, repetition: float, presence: float, frequency: float, prompt_len: int, vocab_size: int):
+        self.repetition, self.presence, self.frequency = repetition, presence, frequency
+        self.prompt_len, self.vocab_size = prompt_len, vocab_size
+        self._seen = 0
+        self._in_prefix: torch.Tensor | None = None   # [V] bool, ids anywhere in the committed prefix
+        self._generated: torch.Tensor | None = None   # [V] float32, counts of committed generated ids
+
+    def _sync(self, committed: Sequence[int], device) -> None:
+        if self._in_prefix is None:
+            self._in_prefix = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
+            self._generated = torch.zeros(self.vocab_size, device=device)
+        new = [t for t in committed[self._seen:] if 0 <= t < self.vocab_size]
+        start = self._seen
+        self._seen = len(committed)
+        if not new:
+            return
+        self._in_prefix[torch.tensor(new, device=device)] = True
+        generated = [t for i, t in enumerate(committed[start:], start) if i >= self.prompt_len and 0 <= t < self.vocab_size]
+        if generated:
+            self._generated += torch.bincount(torch.tensor(generated, device=device), minlength=self.vocab_size).float()
+
+    def __call__(self, committed, drafts, logits, start: int = 0):
+        self._sync(committed, logits.device)
+        n, vocab = logits.shape
+        extra = _draft_counts([t if t < vocab else vocab - 1 for t in drafts], start, n, vocab, logits.device)
+        if self.repetition != 1.0:
+            present = self._in_prefix[:vocab] | (extra > 0)
+            penalized = torch.where(logits < 0, logits * self.repetition, logits / self.repetition)
+            logits = torch.where(present, penalized, logits)
+        if self.presence or self.frequency:
+            counts = self._generated[:vocab] + extra
+            logits = logits - self.frequency * counts - self.presence * (counts > 0).float()
+        return logits
+
+
+class ProcessorList:
+    """Logits processors with transformers' LogitsProcessor signature, `processor(input_ids [1, T]
+    int64, scores [1, V] float32) -> scores [1, V]`, called once per position with that position's
+    whole prefix (prompt included) in order.
+
+    A processor must be a function of (input_ids, scores): it is called for drafted positions that
+    may be rejected, for the target's positions and the draft's, and for one position more than
+    once. Hidden state that changes with the calls breaks exactness unless it is rebuilt from
+    input_ids (or rolled back) each time.
+    """
+
+    def __init__(self, processors: Sequence[Callable]):
+        self.processors = list(processors)
+
+    def __call__(self, committed, drafts, logits, start: int = 0):
+        n = logits.shape[0]
+        ids = torch.tensor(list(committed) + list(drafts[:start + n - 1]), dtype=torch.long, device=logits.device)
+        rows = []
+        for i in range(n):
+            scores = logits[i:i + 1].clone()
+            prefix = ids[:len(committed) + start + i][None]
+            for processor in self.processors:
+                scores = processor(prefix, scores)
+            rows.append(scores[0])
+        return torch.stack(rows)
+
+
+class LogitsPipeline:
+    """One request's transforms, applied in order (see the module docstring).
+
+    Args:
+        transforms: Transform callables; an optional `grammar` (specdecode.grammar.GrammarState)
+            goes last and also serves `valid_prefix` and `forced`.
+        vocab_size: V of the target's logits; the draft's logits are padded or cut to it.
+    """
+
+    def __init__(self, transforms: list[Transform], vocab_size: int, grammar=None):
+        self.transforms = list(transforms) + ([grammar] if grammar is not None else [])
+        self.vocab_size = vocab_size
+        self.grammar = grammar
+
+    def __call__(self, committed: Sequence[int], drafts: Sequence[int], logits: torch.Tensor,
+                 start: int = 0) -> torch.Tensor:
+        """logits [n, V'] any float dtype, row i after committed + drafts[:start + i] → [n, V]
+        float32 (V' < V padded with -inf, V' > V cut)."""
+        logits = logits.float()
+        width = logits.shape[-1]
+        if width < self.vocab_size:
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
+        elif width > self.vocab_size:
+            logits = logits[..., :self.vocab_size]
+        for transform in self.transforms:
+            logits = transform(committed, drafts, logits, start)
+        return logits
+
+    def valid_prefix(self, committed: Sequence[int], drafts: Sequence[int]) -> int:
+        """How many of the drafts the grammar allows in a row (all of them without a grammar)."""
+        return len(drafts) if self.grammar is None else self.grammar.valid_prefix(committed, drafts)
+
+    def forced(self, committed: Sequence[int], drafts: Sequence[int]) -> int | None:
+        """The one token the grammar allows after committed + drafts, or None (several, or no
+        grammar), or specdecode.grammar.ENDED (-1) once it has taken its stop token."""
+        return None if self.grammar is None else self.grammar.forced(committed, drafts)
+
+
+def build_pipeline(sampling, prompt_len: int, vocab_size: int, logits_processors: Sequence[Callable] = (),
+                   grammar=None) -> LogitsPipeline | None:
+    """The pipeline of one request, or None when nothing depends on the prefix (the fast path).
+
+    Args:
+        sampling: its SamplingParams (penalties).  prompt_len: tokens of the committed prefix that
+            are prompt.  vocab_size: V of the target's logits.  logits_processors: transformers-style
+            processors.  grammar: a specdecode.grammar.Grammar or None.
+    """
+    transforms: list[Transform] = []
+    if sampling.has_penalties:
+        transforms.append(Penalties(sampling.repetition_penalty, sampling.presence_penalty,
+                                    sampling.frequency_penalty, prompt_len, vocab_size))
+    if logits_processors:
+        transforms.append(ProcessorList(logits_processors))
+    state = grammar.state(prompt_len) if grammar is not None else None
+    if not transforms and state is None:
+        return None
+    return LogitsPipeline(transforms, vocab_size, state)
