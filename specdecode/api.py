@@ -161,9 +161,9 @@ class SpeculativeDecoder:
         ValueError: unknown model, tokenizers that differ, an encoder–decoder model paired with a
             decoder-only one, draft_vocab_limit on an encoder–decoder draft, γ < 1, unknown dtype,
             an unknown verification, tree_width < 1, tree_confidence outside (0, 1], a tree with
-            verification="block" or an encoder–decoder target, a device that is not available,
-            quantize_draft off the CPU or on a float64 draft, device_map with `device` or with a
-            target given as a loaded model.
+            verification="block" or an encoder–decoder or sliding-window target, a device that is
+            not available, quantize_draft off the CPU or on a float64 draft, device_map with
+            `device` or with a target given as a loaded model.
         FileNotFoundError: the default pair's part packages are not installed.
     """
 
@@ -239,6 +239,9 @@ class SpeculativeDecoder:
             self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, quantize_draft)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
             self._check_pair()
+        if tree_width > 1 and getattr(self.target.backend, "sliding", False):
+            raise ValueError(f"target {self.target.name!r} uses sliding-window attention; token trees "
+                             "(tree_width > 1) need full attention")
         self.eos_token_ids = eos_token_ids(self.target.backend.model, self.tokenizer)
         self.generation_defaults = self._generation_defaults() if use_generation_config else {}
         self._grammar_compiler = None

@@ -7,7 +7,7 @@ import torch
 
 from specdecode.models import HFCausalLM, TableModel
 
-from helpers import single_row_logits, tiny_llama
+from helpers import single_row_logits, tiny_llama, tiny_mistral
 
 # root → nodes 0 and 1; node 0 → 2 and 3; node 3 → 4; node 1 → 5
 TOKENS = [11, 12, 21, 22, 31, 23]
@@ -88,6 +88,18 @@ def test_keep_tree_paths_refuses_a_row_without_a_tree_and_a_node_not_in_it(llama
         HFCausalLM(llama).keep_tree_paths([[0]])
 
 
+def test_a_single_row_is_dense_again_after_a_side_branch_wins(llama):
+    # the kept path is moved next to the prefix, so the row has no holes and needs no mask
+    backend = HFCausalLM(llama)
+    backend.add_row()
+    backend.forward([[3, 4] + TOKENS], 1, trees=[PARENTS])
+    backend.keep_tree_paths([[1, 5]])
+    assert backend.lengths == [4] and backend.num_slots == 4 and bool(backend.valid.all())
+    backend.truncate([3])  # as the engine does: the last token is fed again with the next step
+    logits = backend.forward([[TOKENS[5], 17]], 2)
+    assert torch.allclose(logits[0], logits_alone("hf", llama, [3, 4, TOKENS[1], TOKENS[5], 17], 2), atol=1e-4)
+
+
 def test_a_single_row_tree_gets_the_tree_mask_too(llama):
     # one row is dense (no mask on its plain path): a tree must still switch the mask on
     backend = HFCausalLM(llama)
@@ -95,3 +107,10 @@ def test_a_single_row_tree_gets_the_tree_mask_too(llama):
     logits = backend.forward([[3, 4] + TOKENS], len(TOKENS) + 1, trees=[PARENTS])
     for i, path in enumerate(paths(TOKENS, PARENTS)):
         assert torch.allclose(logits[0, i + 1], logits_alone("hf", llama, [3, 4] + path, 1)[0], atol=1e-4), i
+
+
+def test_a_sliding_window_model_refuses_trees():
+    backend = HFCausalLM(tiny_mistral(0, layers=1))
+    backend.add_row()
+    with pytest.raises(ValueError, match="sliding-window"):
+        backend.forward([[3, 4, 5, 6]], 1, trees=[[-1, -1]])

@@ -120,20 +120,28 @@ def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch
     return 0, int(sample(p[0], generator))
 
 
-def accept_tree(draft: Draft, logits: torch.Tensor, config: DecodeConfig,
-                generator: torch.Generator) -> tuple[list[int], int, bool]:
-    """Step 4 for a row that drafted a token tree: (accepted path of node indices, next token,
-    whether it ended in a rejection) by verify.tree_step.
+def verify_tree_row(draft: Draft, ids: list[int], logits: torch.Tensor, config: DecodeConfig,
+                    generator: torch.Generator, stats: GenerationStats):
+    """Step 4 for a row that drafted a token tree (verify.tree_step).
 
     Args:
-        draft: the row's tree (tokens [N], probs [N, V_draft], parents).
+        draft: the row's tree (tokens [N], probs [N, V_draft], parents).  ids: its N tokens.
         logits: [N+1, V] the target's raw logits after the pending tokens and after each node.
+    Returns:
+        (drafts accepted n, new tokens: the path's and the next token, their origins, the path
+        of node indices, how many of the draft's chain, which its cache holds, were kept).
     Raises:
         ValueError: lenience < 1 (the tree rule is exact only).
     """
     if config.lenience != 1:
         raise ValueError("token trees are verified exactly: lenience must be 1")
-    return tree_step(draft.tokens, list(draft.parents), draft.probs, adjust(logits, config.sampling), generator)
+    path, token, rejected = tree_step(draft.tokens, list(draft.parents), draft.probs,
+                                      adjust(logits, config.sampling), generator)
+    n, chain = len(path), draft.chain
+    stats.num_tree_branch_wins += int(path != chain[:n])
+    kept_in_chain = next((j for j, node in enumerate(path) if node != chain[j]), n)
+    return n, [ids[i] for i in path] + [token], [ACCEPTED] * n + [CORRECTED if rejected else BONUS], path, \
+        kept_in_chain
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -297,22 +305,18 @@ class Engine:
         for b, (row, draft, ids) in enumerate(zip(rows, drafts, draft_ids)):
             k = len(ids)
             if draft.parents is not None:
-                path, token, rejected = accept_tree(draft, logits[b, width - k - 1:], row.config, row.generator)
-                n, new = len(path), [ids[i] for i in path] + [token]
-                origins = [ACCEPTED] * n + [CORRECTED if rejected else BONUS]
-                row.stats.num_tree_branch_wins += int(path != draft.chain[:n])
-                paths.append(path)
-                # the draft model's cache holds the chain: tell it how much of the chain was kept
-                n_kept_in_chain = next((j for j, node in enumerate(path) if node != draft.chain[j]), n)
+                n, new, origins, path, n_kept_in_chain = verify_tree_row(
+                    draft, ids, logits[b, width - k - 1:], row.config, row.generator, row.stats)
                 positions = [0] + [node + 1 for node in path]  # logits row of each emitted token
             else:
                 n, token = accept(draft.tokens, draft.probs if k else None, logits[b, width - k - 1:], row.config,
                                   row.generator, row.pipeline, row.tokens)
                 new = ids[:n] + [token]
                 origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]
-                paths.append(None)
-                n_kept_in_chain = n
+                path, n_kept_in_chain = None, n
                 positions = list(range(n + 1))
+            token = new[-1]
+            paths.append(path)
             logprobs = [None] * len(new) if row.config.logprobs is None else \
                 token_logprobs(logits[b, width - k - 1:][positions], new, row.config.logprobs)
             output = outputs[row.request_id]

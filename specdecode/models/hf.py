@@ -216,6 +216,9 @@ class HFCausalLM:
         if batch != self.num_rows or width == 0:
             raise ValueError(f"need {self.num_rows} feeds, not all empty; got lengths {[len(f) for f in feeds]}")
         trees = trees if trees is not None and any(t is not None for t in trees) else None
+        if trees is not None and self.sliding:
+            raise ValueError(f"{type(self.model).__name__} uses sliding-window attention, which counts slots: "
+                             "token trees need full attention")
         self._trees = None
         if all(len(f) == width for f in feeds):
             tokens = torch.tensor(feeds, dtype=torch.long, device=self.device)
@@ -290,11 +293,27 @@ class HFCausalLM:
             if path is None or any(not 0 <= node < len(parents) or parents[node] != (path[j - 1] if j else -1)
                                    for j, node in enumerate(path)):
                 raise ValueError(f"row {b}: {path} is not a path from the root of its tree (parents {parents})")
-            drop = [first + i for i in range(len(parents)) if i not in set(path)]
-            self.valid[b, drop] = False
-            self._lengths[b] -= len(drop)
+            self._move_path(b, [first + i for i in path], first)
+            self.valid[b, first:first + len(parents)] = False
+            self.valid[b, first:first + len(path)] = True
+            self._lengths[b] -= len(parents) - len(path)
         self._trees = None
         self._reclaim()
+
+    def _move_path(self, b: int, slots: list[int], first: int) -> None:
+        """Copy row b's cache entries at `slots` to slots first, first+1, ...: the kept path sits
+        right after the tokens before the tree, so the slots after it are free (and a row with no
+        holes keeps the model's unmasked path). Keys keep their rotary positions (base + depth)."""
+        if slots == list(range(first, first + len(slots))):
+            return
+        source = torch.tensor(slots, dtype=torch.long, device=self.device)
+        target = torch.arange(first, first + len(slots), device=self.device)
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            for name in ("keys", "values"):
+                states = getattr(layer, name)  # [B, heads, S, head_dim]
+                states[b, :, target] = states[b, :, source]
 
     def _mask(self, valid: torch.Tensor, width: int, tree_blocks: list | None = None) -> torch.Tensor:
         """[B, 1, T, S] additive float mask: 0 where the query may look, dtype-min elsewhere."""
