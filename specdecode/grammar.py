@@ -168,7 +168,7 @@ class GrammarState:
 
     def __call__(self, committed, drafts, logits, start: int = 0):
         self._sync(committed)
-        out = logits.clone()
+        out = logits  # the pipeline's own copy: masked in place
         n, vocab = logits.shape
         accepted = self._advance(drafts[:start])
         try:
@@ -179,7 +179,7 @@ class GrammarState:
                     break  # after the stop token: the request has ended, these positions are never used
                 allowed = self._allowed()
                 width = min(vocab, allowed.shape[0])
-                out[i, :width] = logits[i, :width].masked_fill(~allowed[:width], float("-inf"))
+                out[i, :width].masked_fill_(~allowed[:width], float("-inf"))
                 out[i, width:] = float("-inf")
                 if i + 1 < n:
                     if self._advance(drafts[start + i:start + i + 1]) == 0:

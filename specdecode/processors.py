@@ -17,6 +17,7 @@ logits processors in order, the grammar mask.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -26,20 +27,7 @@ class Transform(Protocol):
     def __call__(self, committed: Sequence[int], drafts: Sequence[int], logits: torch.Tensor,
                  start: int = 0) -> torch.Tensor:
         """logits [n, V] float32 (start + n <= len(drafts) + 1), row i after committed +
-        drafts[:start + i] → the same shape (a new tensor or logits changed in place)."""
-
-
-def _draft_counts(drafts: Sequence[int], start: int, n: int, vocab: int, device) -> torch.Tensor:
-    """[n, V] float32: row i counts each id among drafts[:start + i]."""
-    counts = torch.zeros((n, vocab), device=device)
-    ids = list(drafts[:start + n - 1])
-    if ids:
-        # draft j is counted from row j + 1 - start on (row 0 for the first `start`)
-        rows = (torch.arange(len(ids), device=device) + 1 - start).clamp(min=0)
-        index = torch.tensor(ids, device=device).clamp(max=vocab - 1)
-        counts.index_put_((rows, index), torch.ones(len(ids), device=device), accumulate=True)
-        counts = counts.cumsum(0)
-    return counts
+        drafts[:start + i] → the same shape (logits changed in place, or a new tensor)."""
 
 
 class Penalties:
@@ -48,7 +36,9 @@ class Penalties:
     if negative), then OpenAI's presence and frequency penalties over the generated tokens only
     (logit −= frequency × count + presence × [count > 0]).
 
-    Keeps the counts of the committed tokens (they only grow), adding the drafts per call.
+    Sparse: only the ids in the prefix are touched (a prefix holds hundreds of distinct ids, the
+    vocabulary 150k). Keeps the ids and counts of the committed tokens (they only grow) and adds
+    each call's drafts on copies. Changes `logits` in place.
 
     Args:
         repetition: > 0 (1 = off).  presence, frequency: in [-2, 2] (0 = off).
@@ -60,34 +50,42 @@ class Penalties:
         self.repetition, self.presence, self.frequency = repetition, presence, frequency
         self.prompt_len, self.vocab_size = prompt_len, vocab_size
         self._seen = 0
-        self._in_prefix: torch.Tensor | None = None   # [V] bool, ids anywhere in the committed prefix
-        self._generated: torch.Tensor | None = None   # [V] float32, counts of committed generated ids
+        self._in_prefix: set[int] = set()        # ids anywhere in the committed prefix
+        self._generated: Counter[int] = Counter()  # counts of committed generated ids
 
-    def _sync(self, committed: Sequence[int], device) -> None:
-        if self._in_prefix is None:
-            self._in_prefix = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
-            self._generated = torch.zeros(self.vocab_size, device=device)
-        new = [t for t in committed[self._seen:] if 0 <= t < self.vocab_size]
-        start = self._seen
-        self._seen = len(committed)
-        if not new:
-            return
-        self._in_prefix[torch.tensor(new, device=device)] = True
-        generated = [t for i, t in enumerate(committed[start:], start) if i >= self.prompt_len and 0 <= t < self.vocab_size]
-        if generated:
-            self._generated += torch.bincount(torch.tensor(generated, device=device), minlength=self.vocab_size).float()
+    def _sync(self, committed: Sequence[int]) -> None:
+        for i in range(self._seen, len(committed)):
+            token = committed[i]
+            if 0 <= token < self.vocab_size:
+                self._in_prefix.add(token)
+                if i >= self.prompt_len:
+                    self._generated[token] += 1
+        self._seen = max(self._seen, len(committed))
 
     def __call__(self, committed, drafts, logits, start: int = 0):
-        self._sync(committed, logits.device)
+        self._sync(committed)
         n, vocab = logits.shape
-        extra = _draft_counts([t if t < vocab else vocab - 1 for t in drafts], start, n, vocab, logits.device)
-        if self.repetition != 1.0:
-            present = self._in_prefix[:vocab] | (extra > 0)
-            penalized = torch.where(logits < 0, logits * self.repetition, logits / self.repetition)
-            logits = torch.where(present, penalized, logits)
-        if self.presence or self.frequency:
-            counts = self._generated[:vocab] + extra
-            logits = logits - self.frequency * counts - self.presence * (counts > 0).float()
+        present, counts = set(self._in_prefix), Counter(self._generated)
+        for token in drafts[:start]:  # the drafts before row 0 (the draft side), on copies
+            if 0 <= token < vocab:
+                present.add(token)
+                counts[token] += 1
+        for i in range(n):
+            if i:
+                token = drafts[start + i - 1]
+                if 0 <= token < vocab:
+                    present.add(token)
+                    counts[token] += 1
+            row = logits[i]
+            if self.repetition != 1.0 and present:
+                index = torch.tensor(sorted(present), device=logits.device)
+                values = row[index]
+                row[index] = torch.where(values < 0, values * self.repetition, values / self.repetition)
+            if (self.presence or self.frequency) and counts:
+                ids = sorted(counts)
+                index = torch.tensor(ids, device=logits.device)
+                count = torch.tensor([counts[t] for t in ids], dtype=row.dtype, device=logits.device)
+                row[index] -= self.frequency * count + self.presence
         return logits
 
 
@@ -140,8 +138,8 @@ class LogitsPipeline:
         width = logits.shape[-1]
         if width < self.vocab_size:
             logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
-        elif width > self.vocab_size:
-            logits = logits[..., :self.vocab_size]
+        else:  # a copy: transforms change it in place, and the raw logits still serve logprobs
+            logits = logits[..., :self.vocab_size].clone()
         for transform in self.transforms:
             logits = transform(committed, drafts, logits, start)
         return logits

@@ -143,7 +143,7 @@ def test_logits_processors_speculative_equals_transformers_generate(llamas):
 
 def _leaky_call(self, committed, drafts, logits, start=0):
     # what a leaking implementation does: the drafts it saw stay counted, accepted or not
-    self._sync(list(committed) + list(drafts[:start + logits.shape[0] - 1]), logits.device)
+    self._sync(list(committed) + list(drafts[:start + logits.shape[0] - 1]))
     return _true_call(self, committed, drafts, logits, start)
 
 

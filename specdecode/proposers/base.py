@@ -50,6 +50,9 @@ class DraftRow(Protocol):
     sampling: SamplingParams     # the request's adjustment (DESIGN.md rule 1)
     generator: torch.Generator   # the request's randomness (rule 7)
     tokens: list[int]            # the committed sequence: prompt + emitted tokens (read-only)
+    # and `pipeline`: the request's specdecode.processors.LogitsPipeline or None (rule 9). A
+    # proposer that samples from model logits should apply it (with prefix committed + its drafts
+    # so far) for acceptance; exactness only needs q to be what the draft was sampled from.
 
 
 class Proposer(Protocol):
