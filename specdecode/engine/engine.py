@@ -388,7 +388,10 @@ class Engine:
         alone = not self.running and len(joining) == 1
         for request_id, request in joining:
             encoder_input, prompt = request.encoder_input_ids, list(request.prompt_ids)
-            self.target.add_row(encoder_input, prefix_ids=() if alone else prompt[:-1])
+            if alone:  # (single-row backends, e.g. encoder–decoder ones, only ever get this)
+                self.target.add_row(encoder_input)
+            else:
+                self.target.add_row(encoder_input, prefix_ids=prompt[:-1])
             if self.proposer is not None:
                 self.proposer.add_row(prompt, encoder_input)
             row = _Row(request_id, request, self.tokenizer, self.proposer is not None, self.device,
