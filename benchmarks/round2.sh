@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurements of the 2026-12-01 round (issues 11-14), in one command, about 40 minutes on 2
+# The measurements of the 2026-12-01 round (issues 11-14), in one command, about 45 minutes on 2
 # idle cores; keep the machine otherwise idle while it runs. Each step writes docs/<name>.{md,json}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,7 @@ step python benchmarks/serve_load.py --max-tokens 128 --out docs/serve_load
 step specdecode bench --tasks code --prompts 10 --new-tokens 128 --repeats 1 --gammas --headline \
     --tree-widths 2 3 --hf-draft ours --hf-assisted heuristic@ours --out docs/bench_round2_code_t0 --quiet
 # Exact sampling at temperature 1: token-wise against block verification, and a tree (issue 13).
-step specdecode bench --tasks code --prompts 8 --new-tokens 128 --repeats 1 --gammas --headline --temperature 1 \
+step specdecode bench --tasks code --prompts 6 --new-tokens 128 --repeats 1 --gammas --headline --temperature 1 \
     --compare-verification --tree-widths 2 --hf-assisted none --out docs/bench_round2_code_t1 --quiet
 # Ray Data (1 worker) against the local `specdecode batch`, 40 HumanEval prompts x 64 tokens (issue 14).
 step python benchmarks/ray_batch.py --prompts 40 --max-tokens 64 --repeats 1 --out docs/ray_batch
