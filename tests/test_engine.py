@@ -279,3 +279,18 @@ def test_a_guard_whose_costs_were_measured_under_a_load_spike_recovers_from_the_
     [paused] = run_all(target, DraftModelProposer(slow_draft), [Request([1, 2, 3], config(60, k=4, costs=(0.8, 0.0)))],
                        batch_guard=True)
     assert paused.stats.num_guard_pauses >= 2
+
+
+def test_a_backend_whose_rows_all_roll_back_to_empty_can_drop_a_row_and_read_again():
+    # Rows whose draft caches are all empty (none has drafted yet: lazy prompt reads) are cropped
+    # to 0 slots; dropping one of them then must not leave the other's batch size in the cache.
+    backend = HFCausalLM(tiny_llama(1, layers=1))
+    backend.add_row()
+    backend.add_row()
+    backend.forward([[5, 6], [7]], 1)
+    backend.truncate([0, 0])
+    backend.select([1])
+    backend.forward([[9, 10, 11]], 1)
+    assert backend.lengths == [3]
+    backend.add_row(prefix_ids=[3, 4])
+    assert backend.forward([[12], [5]], 1).shape[:2] == (2, 1) and backend.lengths == [4, 3]

@@ -361,7 +361,12 @@ class HFCausalLM:
     def _reclaim(self) -> None:
         live = self.valid.any(0).nonzero()
         end = int(live.max()) + 1 if len(live) else 0
-        if end < self.num_slots or (self.sliding and self.num_slots):
+        if end == 0 and self.num_slots and not self.sliding:
+            # Nothing is held: start from an empty cache. Cropped to 0 slots, its states would
+            # keep this batch's size, and `select` (which has no slots to select) could not fix it.
+            self.cache = self._new_cache()
+            self.valid = self.valid[:, :0]
+        elif end < self.num_slots or (self.sliding and self.num_slots):
             # transformers 5 takes a negative count to drop; crop(0) still trims the recorded
             # states of sliding-window layers back to their window.
             self.cache.crop(end - self.num_slots)
