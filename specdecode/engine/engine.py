@@ -354,11 +354,15 @@ class Engine:
 
     def _refresh_guards(self, rows: list[_Row]) -> None:
         """Keep each guard's c and slope at what the loop measures now (engine.guard)."""
+        costs = {}  # per γ_max: the same for every row of this batch size
         for row in rows:
-            guard = row.policy.guard
-            costs = self.cost.guard_costs(len(rows), row.policy.k_max) if guard is not None else None
-            if costs is not None:
-                guard.set_costs(*costs)
+            guard, k = row.policy.guard, row.policy.k_max
+            if guard is None:
+                continue
+            if k not in costs:
+                costs[k] = self.cost.guard_costs(len(rows), k)
+            if costs[k] is not None:
+                guard.set_costs(*costs[k])
 
     @staticmethod
     def _record(row: _Row, draft: Draft, planned: int, n: int, output: StepOutput, draft_s: float,

@@ -7,6 +7,8 @@ does not depend on where it ran.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import time
 from collections import deque
@@ -171,6 +173,16 @@ def run_batch(decoder, input_path: str, output_path: str, defaults: RowDefaults 
     Raises:
         OSError, ValueError: as read_rows and OutputJournal (before any row is decoded).
     """
+    with job(input_path, output_path, defaults, on_update) as (rows, summary, write):
+        decode_rows(decoder, rows, max_batch_size, defaults.raw, write)
+    return summary
+
+
+@contextlib.contextmanager
+def job(input_path: str, output_path: str, defaults: RowDefaults, on_update=None):
+    """The part of a run that does not decode, shared by the local and the Ray run: opens the
+    output journal, yields (rows still to do, the summary, write(record)) where write appends a
+    record and moves the progress, and stamps the wall time at the end."""
     with OutputJournal(output_path) as journal:
         rows, total = pending(input_path, journal, defaults)
         summary = BatchSummary(rows=total, skipped=total - len(rows), cut_bytes=journal.cut_bytes)
@@ -180,6 +192,5 @@ def run_batch(decoder, input_path: str, output_path: str, defaults: RowDefaults 
             journal.append(record)
             progress(record)
 
-        decode_rows(decoder, rows, max_batch_size, defaults.raw, write)
+        yield rows, summary, write
         summary.wall_time_s = time.perf_counter() - progress.start
-    return summary

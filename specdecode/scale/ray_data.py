@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import ray
 import ray.data
 
-from specdecode.scale.batch import BatchSummary, Progress, pending
+from specdecode.scale.batch import BatchSummary, job
 from specdecode.scale.cluster import check_models, connect, use_assigned_cpus
-from specdecode.scale.journal import OutputJournal
 from specdecode.scale.rows import RowDefaults, error_record, parse_line
 
 class DecoderWorker:
@@ -69,15 +67,7 @@ def run_batch_on_ray(decoder_kwargs: dict, input_path: str, output_path: str, de
     """
     if address is None:
         check_models(decoder_kwargs)
-    with OutputJournal(output_path) as journal:
-        rows, total = pending(input_path, journal, defaults)
-        summary = BatchSummary(rows=total, skipped=total - len(rows), cut_bytes=journal.cut_bytes)
-        progress = Progress(summary, len(rows), on_update)
-
-        def write(record: dict) -> None:
-            journal.append(record)
-            progress(record)
-
+    with job(input_path, output_path, defaults, on_update) as (rows, summary, write):
         for row in rows:  # bad lines need no decoder
             if row.error is not None:
                 write(error_record(row))
@@ -104,5 +94,4 @@ def run_batch_on_ray(decoder_kwargs: dict, input_path: str, output_path: str, de
             finally:
                 if started:
                     ray.shutdown()
-        summary.wall_time_s = time.perf_counter() - progress.start
     return summary
