@@ -33,13 +33,19 @@ class DecoderWorker:
     def __init__(self, decoder_kwargs: dict, defaults: RowDefaults, max_batch_size: int):
         from specdecode import SpeculativeDecoder
 
+        from specdecode.engine.threads import free_openmp_threads
+
         use_assigned_cpus()
         self.decoder = SpeculativeDecoder(**decoder_kwargs)
         self.defaults, self.max_batch_size = defaults, max_batch_size
+        # Ray Data calls this object from a pool thread, not the one that built it: free this
+        # thread's OpenMP workers, or every parallel region there runs throttled (engine/threads.py)
+        free_openmp_threads()
 
     def __call__(self, batch: dict) -> dict:
         from specdecode.scale.batch import decode_rows
 
+        use_assigned_cpus()  # torch's thread count is per thread under OpenMP
         rows = [parse_line(str(text), int(line), self.defaults) for line, text in zip(batch["line"], batch["text"])]
         records = decode_rows(self.decoder, rows, self.max_batch_size, self.defaults.raw)
         return {"record": [json.dumps(r, ensure_ascii=False) for r in records]}

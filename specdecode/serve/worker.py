@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from specdecode.engine.engine import Engine, StepOutput
 from specdecode.engine.request import Request
+from specdecode.engine.threads import compute_thread
 
 
 log = logging.getLogger("specdecode.serve")
@@ -61,7 +62,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
+        self._thread = compute_thread(self._run, name="specdecode-engine")
 
     def start(self) -> None:
         self._thread.start()
