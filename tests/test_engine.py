@@ -228,14 +228,19 @@ def test_batch_cost_model_caps_gamma_where_the_batch_yields_most_tokens_per_seco
     assert model.gamma_cap([8] * 4, [0.1] * 4) == 0       # a verify is timed: now time a plain step
     model.observe_target(4, 1, 0.018)                      # T(n) = 0.01 + 0.002 n
     model.observe_draft(8, 4, 0.016)                       # D = 2 ms
-    # a poor draft: plain steps win; a probe drafts as planned after 3 capped steps, then after 6
-    assert [model.gamma_cap([8] * 4, [0.1] * 4) for _ in range(9)] == [0, 0, 8, 0, 0, 0, 0, 0, 8]
-    # otherwise the k with the most tokens per second: rate(k) = 4 E(α, k) / (T(4 (k + 1)) + k D)
-    for alpha, best in ((0.99, 8), (0.95, 4), (0.6, 1)):
+    # a poor draft: plain steps win; a probe (probe_gamma = 3 drafts) after 3 capped steps, then after 6
+    caps, probes = zip(*[(model.gamma_cap([8] * 4, [0.1] * 4), model.probing) for _ in range(9)])
+    assert caps == (0, 0, 3, 0, 0, 0, 0, 0, 3) and probes == (False, False, True) + (False,) * 5 + (True,)
+    # otherwise the k with the most tokens per second, rate(k) = 4 E(α, k) / (T(4 (k + 1)) + k D),
+    # if it beats plain steps by the 10% margin (α = 0.6: γ = 1 is best, but only by 3%)
+    for alpha, best, gain in ((0.99, 8, 1.59), (0.95, 4, 1.40), (0.6, 1, 1.03)):
         rates = {k: 4 * expected_tokens(alpha, k) / (0.018 + 0.008 * k + 0.002 * k) for k in range(9)}
-        assert max(rates, key=rates.get) == best
-        assert model.gamma_cap([8] * 4, [alpha] * 4) == best
-    assert model.gamma_cap([8, 1, 1, 1], [0.99] * 4) == 8  # rows keep their own plans below the cap
+        assert max(rates, key=rates.get) == best and rates[best] / rates[0] == pytest.approx(gain, abs=0.05)
+        assert model.gamma_cap([8] * 4, [alpha] * 4) == (best if gain > 1.1 else 0)
+    # rows keep their own plans below the cap: three rows planning 1 draft make a 9-wide verify for
+    # the fourth row's 8 not worth it (rate 149 against 284 at γ = 1)
+    model.capped_steps = 0  # not a probe step
+    assert model.gamma_cap([8, 1, 1, 1], [0.99] * 4) == 1 and not model.probing
 
 
 def _guarded(n=40, k=6):
@@ -251,6 +256,24 @@ def test_the_batch_guard_caps_drafting_when_wide_steps_cost_more_than_they_yield
     assert sum(r.stats.num_batch_caps for r in batch) > 0
     for prompt, got in zip(prompts, batch):
         assert got.token_ids == run(target, None, prompt, _guarded()).token_ids  # greedy: the target's own
+
+
+def test_a_capped_batch_probes_with_one_row_so_only_that_row_reads_its_prompt_into_the_draft():
+    target = TimedTable(8, seed=0, sharpness=1.0, per_token=0.002)
+    proposer = DraftModelProposer(TableModel(8, seed=7, sharpness=4.0))
+    seen = []
+    propose = proposer.propose
+    proposer.propose = lambda rows, ks: seen.append(list(ks)) or propose(rows, ks)
+    prompts = [[1, 2, 3], [4, 5], [6, 1], [2, 2, 7]]
+    engine = Engine(target, proposer, None, None, batch_guard=True)
+    engine.cost.min_probe_every = engine.cost.probe_every = 2
+    driver = Driver(engine)
+    ids = [driver.submit(Request(p, _guarded(60))) for p in prompts]
+    [driver.result(i) for i in ids]
+    capped = [ks for ks in seen[4:] if len(ks) == 4]  # after the first verify steps and the plain one
+    probes = [ks for ks in capped if any(ks)]
+    assert probes and all(sum(k > 0 for k in ks) == 1 and max(ks) <= 3 for ks in probes)
+    assert len({ks.index(max(ks)) for ks in probes}) > 1  # the row that has drafted least probes next
 
 
 def test_the_batch_guard_keeps_drafting_when_verifying_is_as_cheap_as_a_plain_step():

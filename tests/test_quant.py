@@ -89,11 +89,9 @@ def test_quantize_replaces_every_linear_and_keeps_greedy_output(bits):
 
 @pytest.mark.parametrize("kind", [Int8Linear, Int4Linear])
 def test_many_rows_take_the_dequantized_gemm_and_agree_with_the_integer_kernel(kind):
-    from specdecode.models import quant
-
     torch.manual_seed(1)
     layer = kind(torch.randn(32, 64), torch.randn(32))
-    x = torch.randn(quant.DEQUANTIZE_ABOVE_ROWS + 4, 64)
+    x = torch.randn(kind.dequantize_above_rows + 4, 64)
     many = layer(x)  # one call above the threshold
     rows = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])  # the integer kernel, row by row
     assert torch.allclose(many, rows, atol=1e-4)

@@ -52,7 +52,7 @@ def tiny_zoo(tmp_path, monkeypatch):
 
 
 def logits(model, rows):
-    """[1, rows, V] logits; more than DEQUANTIZE_ABOVE_ROWS rows take the dequantized GEMM."""
+    """[1, rows, V] logits; more than a layer's dequantize_above_rows take the dequantized GEMM."""
     with torch.no_grad():
         return model(torch.arange(rows)[None] * 7 % 90 + 3).logits
 

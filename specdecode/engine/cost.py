@@ -14,9 +14,15 @@ mean for a row without one yet); T(n) is the target's forward time for n fed tok
 draft forward's time for r rows, both fitted online to the loop's own measurements (least
 squares on a line, older observations fading). The first steps draft as planned; once a few
 verify steps are timed, one plain step is taken to time that kind too; while capped, one step in
-`probe_every` drafts as planned, so every estimate stays fresh; each probe that changes nothing
-doubles that interval (up to `max_probe_every`), since on a big batch a full verify step costs
-several plain ones.
+`probe_every` is a probe: one row drafts up to `probe_gamma` tokens, so the estimates stay fresh
+(the verify is as wide for the batch as if every row drafted, and the draft forward as long) at
+the price of one row's prompt read by the draft, not every row's; each probe that changes nothing
+doubles that interval (up to `max_probe_every`).
+
+Drafting must beat plain steps by `margin`: the line leaves out what a draft step costs besides
+its forwards, chiefly the draft reading each new row's prompt (a one-off 0.1-0.4 s per row for
+the default pair) and catching up on tokens committed while a row did not draft. At 8 rows on 2
+cores the model rated γ = 2 at 1.02x a plain step where the loop measured 0.93x (2026-12-01).
 
 Exactness: γ is chosen before the step's drafts and draws, from past timings and tokens only, so
 each step still samples exactly from p (§2.3). Only guarded rows (greedy and unseeded requests)
@@ -64,18 +70,25 @@ class BatchCostModel:
     batch's γ cap of the module docstring.
 
     Args:
-        probe_every: while capped, draft as planned on one step in this many at first (>= 1).
+        probe_every: while capped, probe on one step in this many at first (>= 1).
         max_probe_every: the longest interval between probes.
+        probe_gamma: the most drafts of a probe's one row.
+        margin: how much more tokens per second drafting must promise than plain steps.
+    Attributes:
+        probing: whether the last gamma_cap was a probe (one row drafts, up to the cap).
     """
 
-    def __init__(self, probe_every: int = 16, max_probe_every: int = 256):
+    def __init__(self, probe_every: int = 16, max_probe_every: int = 256, probe_gamma: int = 3,
+                 margin: float = 0.1):
         self.target = LineFit()   # seconds of a target forward vs tokens fed (padding included)
         self.draft = LineFit()    # seconds of a draft forward vs rows fed
         self.widths: set[int] = set()  # feed widths seen: a plain step is 1, a verify k+1 (as 2)
         self.verify_steps = 0
         self.min_probe_every, self.max_probe_every = probe_every, max_probe_every
         self.probe_every = probe_every
+        self.probe_gamma, self.margin = probe_gamma, margin
         self.capped_steps = 0
+        self.probing = False
 
     def observe_target(self, tokens_fed: int, width: int, seconds: float) -> None:
         self.target.add(tokens_fed, seconds)
@@ -103,6 +116,7 @@ class BatchCostModel:
             planned: each row's γ from its own policy.  alphas: each row's α̂ (None: not measured).
         """
         k_max = max(planned)
+        self.probing = False
         if 2 not in self.widths:  # no verify step timed yet
             return k_max
         if 1 not in self.widths:  # time one plain step, once the verify steps' time is known
@@ -118,6 +132,8 @@ class BatchCostModel:
             return tokens / (self.target.predict(rows * (k + 1)) + k * draft_s)
 
         best = max(range(k_max + 1), key=rate)
+        if rate(best) < (1 + self.margin) * rate(0):
+            best = 0
         if best == k_max:
             self.capped_steps, self.probe_every = 0, self.min_probe_every
             return k_max
@@ -125,5 +141,6 @@ class BatchCostModel:
         if self.capped_steps >= self.probe_every:
             self.capped_steps = 0
             self.probe_every = min(2 * self.probe_every, self.max_probe_every)
-            return k_max
+            self.probing = True
+            return min(k_max, self.probe_gamma)
         return best

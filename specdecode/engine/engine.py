@@ -274,8 +274,11 @@ class Engine:
         # 2 propose
         synchronize(self.device)
         t0 = time.perf_counter()
+        read_s = 0.0  # of the proposer's time, reading committed tokens (prompts, catching up): not a draft step's cost
         if self.proposer is not None:
+            read_s = getattr(self.proposer, "read_s", 0.0)  # a proposer of a user's may not count it
             drafts = self.proposer.propose(rows, ks)
+            read_s = getattr(self.proposer, "read_s", 0.0) - read_s
         else:
             drafts = [no_draft(self.target.vocab_size, self.device)] * len(rows)
         if any(row.pipeline is not None and row.pipeline.grammar is not None for row in rows):
@@ -298,7 +301,8 @@ class Engine:
         if self.cost is not None and not prompt_read:  # a prompt read is not a step's cost
             fed = max(len(f) for f in feeds)  # every row is padded to the widest feed
             self.cost.observe_target(len(rows) * fed, fed, t2 - t1)
-            self.cost.observe_draft(max(d.forwards for d in drafts), sum(k > 0 for k in ks), t1 - t0)
+            if read_s == 0:
+                self.cost.observe_draft(max(d.forwards for d in drafts), sum(k > 0 for k in ks), t1 - t0)
             self._refresh_guards(rows)
         # 4 accept and 5 commit, row by row with each row's generator
         accepted, new_tokens, paths = [], [], []
@@ -346,11 +350,15 @@ class Engine:
         alphas = [row.stats.alpha_estimate if row.stats.num_accepted + row.stats.num_rejected else None
                   for row in rows]
         cap = self.cost.gamma_cap(ks, alphas)
-        if cap == max(ks):
+        if cap == max(ks) and not self.cost.probing:
             return ks
-        for row, k in zip(rows, ks):
-            row.stats.num_batch_caps += int(k > cap)
-        return [min(k, cap) for k in ks]
+        capped = [min(k, cap) for k in ks]
+        if self.cost.probing:  # one row drafts: the one that has drafted least (its α is least known)
+            probe = min((b for b, k in enumerate(ks) if k), key=lambda b: rows[b].stats.num_drafted)
+            capped = [k if b == probe else 0 for b, k in enumerate(capped)]
+        for row, k, c in zip(rows, ks, capped):
+            row.stats.num_batch_caps += int(c < k)
+        return capped
 
     def _refresh_guards(self, rows: list[_Row]) -> None:
         """Keep each guard's c and slope at what the loop measures now (engine.guard)."""

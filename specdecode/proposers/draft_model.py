@@ -70,7 +70,7 @@ class DraftModelProposer:
         self.tree_width, self.tree_confidence = tree_width, tree_confidence
         self.max_rows = backend.max_rows
         self.rows: list[_RowState] = []
-        self.time_s = 0.0
+        self.time_s = self.read_s = 0.0
         backend.reset()
 
     def add_row(self, prompt_ids: Sequence[int], encoder_input_ids: Sequence[int] | None = None) -> None:
@@ -100,7 +100,9 @@ class DraftModelProposer:
             # token, which goes with the batched forward), not padded into every other row's feed.
             for b, (k, n, state) in enumerate(zip(ks, lengths, states)):
                 if k > 0 and n == 0 and len(state.pending) > 1:
+                    read_start = time.perf_counter()
                     backend.fill(b, [self._feedable(t) for t in state.pending[:-1]])
+                    self.read_s += time.perf_counter() - read_start
                     lengths[b], state.pending = len(state.pending) - 1, state.pending[-1:]
         tokens: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
@@ -139,7 +141,11 @@ class DraftModelProposer:
                 feeds[b] = [self._feedable(t) for t in unfed[b]]
                 unfed[b], pending_fed[b] = [], True
                 fed[b] = len(chain[b]) if tree[b] else len(tokens[b])
+            forward_start = time.perf_counter()
             logits = backend.forward(feeds, 1)[:, 0]  # [B, V]
+            if j == 0 and max(len(feed) for feed in feeds) > 2:
+                # a row catching up on tokens committed while it did not draft: a read, as a fill
+                self.read_s += time.perf_counter() - forward_start
             for b in need:
                 row = rows[b]
                 forwards[b] += 1

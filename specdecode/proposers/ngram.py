@@ -89,7 +89,7 @@ class NGramProposer:
 
     def __init__(self, model: NGramModel):
         self.model = model
-        self.time_s = 0.0
+        self.time_s = self.read_s = 0.0
 
     def add_row(self, prompt_ids, encoder_input_ids=None) -> None:
         pass

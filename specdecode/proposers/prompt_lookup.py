@@ -53,6 +53,10 @@ class PromptLookupProposer:
     def time_s(self) -> float:
         return self._time_s + (self.fallback.time_s if self.fallback is not None else 0.0)
 
+    @property
+    def read_s(self) -> float:
+        return self.fallback.read_s if self.fallback is not None else 0.0
+
     def add_row(self, prompt_ids: Sequence[int], encoder_input_ids: Sequence[int] | None = None) -> None:
         if self.fallback is not None:
             self.fallback.add_row(prompt_ids, encoder_input_ids)
