@@ -22,7 +22,8 @@ doubles that interval (up to `max_probe_every`).
 Drafting must beat plain steps by `margin`: the line leaves out what a draft step costs besides
 its forwards, chiefly the draft reading each new row's prompt (a one-off 0.1-0.4 s per row for
 the default pair) and catching up on tokens committed while a row did not draft. At 8 rows on 2
-cores the model rated γ = 2 at 1.02x a plain step where the loop measured 0.93x (2026-12-01).
+cores the model rated γ = 2 at 1.02x a plain step where the loop measured 0.93x (2026-12-01); with
+a 25% margin the server at 8 clients came within noise of plain steps (docs/serve_load.md).
 
 Exactness: γ is chosen before the step's drafts and draws, from past timings and tokens only, so
 each step still samples exactly from p (§2.3). Only guarded rows (greedy and unseeded requests)
@@ -79,7 +80,7 @@ class BatchCostModel:
     """
 
     def __init__(self, probe_every: int = 16, max_probe_every: int = 256, probe_gamma: int = 3,
-                 margin: float = 0.1):
+                 margin: float = 0.25):
         self.target = LineFit()   # seconds of a target forward vs tokens fed (padding included)
         self.draft = LineFit()    # seconds of a draft forward vs rows fed
         self.widths: set[int] = set()  # feed widths seen: a plain step is 1, a verify k+1 (as 2)
