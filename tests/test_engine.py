@@ -243,6 +243,24 @@ def test_batch_cost_model_caps_gamma_where_the_batch_yields_most_tokens_per_seco
     assert model.gamma_cap([8, 1, 1, 1], [0.99] * 4) == 1 and not model.probing
 
 
+def test_the_batch_cost_model_spreads_a_rows_unread_prompt_over_its_remaining_steps():
+    from specdecode.engine.cost import BatchCostModel
+
+    model = BatchCostModel(probe_every=100)
+    for _ in range(3):
+        model.observe_target(36, 9, 0.082)
+    model.observe_target(4, 1, 0.018)                      # T(n) = 0.01 + 0.002 n
+    model.observe_draft(8, 4, 0.016)                       # D = 2 ms
+    model.observe_read(100, 0.2)
+    model.observe_read(300, 0.6)                           # R(u) = 2 ms per token
+    # α = 0.95 and warm drafts: γ = 4 (as in the test above)
+    assert model.gamma_cap([8] * 4, [0.95] * 4, [1] * 4, [100] * 4) == 4
+    # four cold rows of 50-token prompts: their reads (0.1 s each) spread over 1000 tokens to go
+    # leave γ = 4 the best (rate 305 against 222 for plain steps); over 10 tokens they do not pay
+    assert model.gamma_cap([8] * 4, [0.95] * 4, [50] * 4, [1000] * 4) == 4
+    assert model.gamma_cap([8] * 4, [0.95] * 4, [50] * 4, [10] * 4) == 0
+
+
 def _guarded(n=40, k=6):
     return config(n, k=k, costs=(0.0, 0.0))
 

@@ -91,7 +91,7 @@ def test_quantize_replaces_every_linear_and_keeps_greedy_output(bits):
 def test_many_rows_take_the_dequantized_gemm_and_agree_with_the_integer_kernel(kind):
     torch.manual_seed(1)
     layer = kind(torch.randn(32, 64), torch.randn(32))
-    x = torch.randn(kind.dequantize_above_rows + 4, 64)
+    x = torch.randn(kind.DEQUANTIZE_ABOVE_ROWS + 4, 64)  # float32
     many = layer(x)  # one call above the threshold
     rows = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])  # the integer kernel, row by row
     assert torch.allclose(many, rows, atol=1e-4)

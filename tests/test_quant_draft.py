@@ -79,7 +79,7 @@ def test_a_cached_quantized_draft_gives_exactly_the_logits_of_a_fresh_one(tiny_z
     assert second == [f"loading the int{bits} draft from {path}"]
     assert [type(m) for m in cached.modules()] == [type(m) for m in fresh.modules()]
     in_memory = prepare_draft(tiny_llama(dtype=dtype), bits)
-    for rows in (3, 40):  # the integer kernels, and the dequantized GEMM
+    for rows in (3, 200):  # the integer kernels, and the dequantized GEMM (above 160 rows in bfloat16)
         assert torch.equal(logits(cached, rows), logits(fresh, rows))
         assert torch.equal(logits(cached, rows), logits(in_memory, rows))
     assert cached.config._attn_implementation == "eager"

@@ -19,11 +19,14 @@ verify steps are timed, one plain step is taken to time that kind too; while cap
 the price of one row's prompt read by the draft, not every row's; each probe that changes nothing
 doubles that interval (up to `max_probe_every`).
 
-Drafting must beat plain steps by `margin`: the line leaves out what a draft step costs besides
-its forwards, chiefly the draft reading each new row's prompt (a one-off 0.1-0.4 s per row for
-the default pair) and catching up on tokens committed while a row did not draft. At 8 rows on 2
-cores the model rated γ = 2 at 1.02x a plain step where the loop measured 0.93x (2026-12-01); with
-a 25% margin the server at 8 clients came within noise of plain steps (docs/serve_load.md).
+A row whose draft has not read its committed tokens (a new row's prompt, or tokens committed
+while it did not draft) must read them before it drafts: a one-off R(u) seconds for u tokens
+(0.1-0.4 s for a HumanEval prompt and the default pair), fitted like T and D. A step that starts a
+row drafting is charged R(u_b) · E_b / left_b, the read spread over the row's remaining steps
+(left_b tokens at E_b per step). Drafting must also beat plain steps by `margin`, for the costs
+the line still leaves out (sampling work per drafted token, the padding of catch-up reads): at
+8 rows on 2 cores the model without both rated γ = 2 at 1.02x a plain step where the loop
+measured 0.93x (2026-12-01).
 
 Exactness: γ is chosen before the step's drafts and draws, from past timings and tokens only, so
 each step still samples exactly from p (§2.3). Only guarded rows (greedy and unseeded requests)
@@ -83,6 +86,7 @@ class BatchCostModel:
                  margin: float = 0.25):
         self.target = LineFit()   # seconds of a target forward vs tokens fed (padding included)
         self.draft = LineFit()    # seconds of a draft forward vs rows fed
+        self.read = LineFit()     # seconds of the draft reading committed tokens vs their number
         self.widths: set[int] = set()  # feed widths seen: a plain step is 1, a verify k+1 (as 2)
         self.verify_steps = 0
         self.min_probe_every, self.max_probe_every = probe_every, max_probe_every
@@ -100,6 +104,10 @@ class BatchCostModel:
         if forwards:
             self.draft.add(rows, seconds / forwards)
 
+    def observe_read(self, tokens: int, seconds: float) -> None:
+        if tokens:
+            self.read.add(tokens, seconds)
+
     def guard_costs(self, rows: int, k: int) -> tuple[float, float] | None:
         """(c, verify slope) in target calls for a row's guard (engine.guard) at this batch size
         and γ = k, from the loop's timings; None until a plain step, a verify step and a draft
@@ -110,11 +118,14 @@ class BatchCostModel:
             return None
         return draft_s / plain, max(self.target.predict(rows * (k + 1)) / plain - 1, 0.0) / k
 
-    def gamma_cap(self, planned: list[int], alphas: list[float | None]) -> int:
+    def gamma_cap(self, planned: list[int], alphas: list[float | None], unread: list[int] | None = None,
+                  left: list[int] | None = None) -> int:
         """The most drafts any row may make this step (max(planned) when nothing is capped).
 
         Args:
             planned: each row's γ from its own policy.  alphas: each row's α̂ (None: not measured).
+            unread: each row's committed tokens its draft has not read (None: reads are free).
+            left: each row's tokens still to generate (with unread).
         """
         k_max = max(planned)
         self.probing = False
@@ -129,8 +140,12 @@ class BatchCostModel:
         draft_s = self.draft.predict(rows) or 0.0
 
         def rate(k: int) -> float:
-            tokens = sum(expected_tokens(a, min(k, p)) for a, p in zip(alphas, planned))
-            return tokens / (self.target.predict(rows * (k + 1)) + k * draft_s)
+            per_row = [expected_tokens(a, min(k, p)) for a, p in zip(alphas, planned)]
+            seconds = self.target.predict(rows * (k + 1)) + k * draft_s
+            if k and unread is not None:
+                seconds += sum((self.read.predict(u) or 0.0) * e / max(n, 1)
+                               for u, n, e, p in zip(unread, left, per_row, planned) if u > 2 and p)
+            return sum(per_row) / seconds
 
         best = max(range(k_max + 1), key=rate)
         if rate(best) < (1 + self.margin) * rate(0):

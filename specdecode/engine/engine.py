@@ -274,11 +274,13 @@ class Engine:
         # 2 propose
         synchronize(self.device)
         t0 = time.perf_counter()
-        read_s = 0.0  # of the proposer's time, reading committed tokens (prompts, catching up): not a draft step's cost
+        read_s = read_tokens = 0  # of the proposer's work, reading committed tokens (prompts, catching up)
         if self.proposer is not None:
-            read_s = getattr(self.proposer, "read_s", 0.0)  # a proposer of a user's may not count it
+            # (a proposer of a user's may not count them)
+            read_s, read_tokens = getattr(self.proposer, "read_s", 0.0), getattr(self.proposer, "read_tokens", 0)
             drafts = self.proposer.propose(rows, ks)
             read_s = getattr(self.proposer, "read_s", 0.0) - read_s
+            read_tokens = getattr(self.proposer, "read_tokens", 0) - read_tokens
         else:
             drafts = [no_draft(self.target.vocab_size, self.device)] * len(rows)
         if any(row.pipeline is not None and row.pipeline.grammar is not None for row in rows):
@@ -301,8 +303,10 @@ class Engine:
         if self.cost is not None and not prompt_read:  # a prompt read is not a step's cost
             fed = max(len(f) for f in feeds)  # every row is padded to the widest feed
             self.cost.observe_target(len(rows) * fed, fed, t2 - t1)
-            if read_s == 0:
+            if read_s == 0:  # a read is a row's one-off cost, not a draft step's
                 self.cost.observe_draft(max(d.forwards for d in drafts), sum(k > 0 for k in ks), t1 - t0)
+            else:
+                self.cost.observe_read(read_tokens, read_s)
             self._refresh_guards(rows)
         # 4 accept and 5 commit, row by row with each row's generator
         accepted, new_tokens, paths = [], [], []
@@ -349,7 +353,9 @@ class Engine:
             return ks  # one row's own guard decides; an unguarded drafting row widens the step anyway
         alphas = [row.stats.alpha_estimate if row.stats.num_accepted + row.stats.num_rejected else None
                   for row in rows]
-        cap = self.cost.gamma_cap(ks, alphas)
+        unread = getattr(self.proposer, "unread", lambda: None)()
+        left = [row.config.max_new_tokens - len(row.out.token_ids) for row in rows]
+        cap = self.cost.gamma_cap(ks, alphas, unread, left)
         if cap == max(ks) and not self.cost.probing:
             return ks
         capped = [min(k, cap) for k in ks]

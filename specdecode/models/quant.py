@@ -22,13 +22,15 @@ class _QuantizedLinear(torch.nn.Module):
     """Shared forward: the integer kernel for a few rows, a dequantized float GEMM for many."""
 
     bias: torch.Tensor | None
-    # rows (tokens) per call above which dequantizing and a float GEMM beat the integer kernel
-    # (each class measures its own: the draft's five linear shapes, bf16, 2 cores, torch 2.13)
-    dequantize_above_rows: int
+    # rows (tokens) per call above which dequantizing and a float GEMM beat the integer kernel, by
+    # the input's dtype (measured on the draft's linear shapes, 2 cores, torch 2.13: in float32
+    # the int4 kernel costs 107 ms at 16 rows where dequantizing and a GEMM cost 82)
+    dequantize_above_rows: dict[torch.dtype, int]
+    DEQUANTIZE_ABOVE_ROWS = 16  # any other dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous()  # the int4 kernel refuses strided rows
-        if flat.shape[0] > self.dequantize_above_rows:
+        if flat.shape[0] > self.dequantize_above_rows.get(flat.dtype, self.DEQUANTIZE_ABOVE_ROWS):
             # The integer kernels cost in proportion to the rows; dequantizing costs a fixed
             # pass over the weights, so for a prompt (hundreds of rows) it wins.
             y = torch.nn.functional.linear(flat, self.dequantize(x.dtype))
@@ -46,7 +48,8 @@ class Int8Linear(_QuantizedLinear):
     Shapes: forward takes [..., in] (float32/bfloat16/float16) and returns [..., out] in x's dtype.
     """
 
-    dequantize_above_rows = 48  # the draft's layers: kernel 2.95 ms at 32 rows, 5.79 at 64; float GEMM 3.85, 4.88
+    # bfloat16: kernel 2.95 ms at 32 rows, 5.79 at 64; dequantize + float GEMM 3.85, 4.88
+    dequantize_above_rows = {torch.bfloat16: 48}
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -106,8 +109,8 @@ class Int4Linear(_QuantizedLinear):
         ValueError: a weight shape or group size the kernel cannot take.
     """
 
-    # the draft's layers: kernel 11.5 ms at 128 rows, 16.9 at 192; dequantize + float GEMM 13.8, 15.7
-    dequantize_above_rows = 160
+    # bfloat16: kernel 11.5 ms at 128 rows, 16.9 at 192; dequantize + float GEMM 13.8, 15.7
+    dequantize_above_rows = {torch.bfloat16: 160}
 
     GROUP_SIZES = (32, 64, 128, 256)
 

@@ -92,7 +92,10 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], int]:
         if metadata.get("format") != str(FORMAT_VERSION) or \
                 metadata.get("group_size") not in [str(size) for size in quant.Int4Linear.GROUP_SIZES]:
             raise ValueError(f"unexpected metadata {metadata}")
-        tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        # copied into torch's own (64-byte aligned) memory: tensors read from the file sit at the
+        # offsets it gives them (24 mod 64 here), and torch's int8 kernel crashed on such weights
+        # at 40 rows (a segfault, torch 2.13)
+        tensors = {key: f.get_tensor(key).clone() for key in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
         return tensors, int(metadata["group_size"])
 
 

@@ -71,6 +71,7 @@ class DraftModelProposer:
         self.max_rows = backend.max_rows
         self.rows: list[_RowState] = []
         self.time_s = self.read_s = 0.0
+        self.read_tokens = 0  # tokens those reads covered
         backend.reset()
 
     def add_row(self, prompt_ids: Sequence[int], encoder_input_ids: Sequence[int] | None = None) -> None:
@@ -103,6 +104,7 @@ class DraftModelProposer:
                     read_start = time.perf_counter()
                     backend.fill(b, [self._feedable(t) for t in state.pending[:-1]])
                     self.read_s += time.perf_counter() - read_start
+                    self.read_tokens += len(state.pending) - 1
                     lengths[b], state.pending = len(state.pending) - 1, state.pending[-1:]
         tokens: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
@@ -146,6 +148,7 @@ class DraftModelProposer:
             if j == 0 and max(len(feed) for feed in feeds) > 2:
                 # a row catching up on tokens committed while it did not draft: a read, as a fill
                 self.read_s += time.perf_counter() - forward_start
+                self.read_tokens += sum(len(feed) for feed in feeds if len(feed) > 2)
             for b in need:
                 row = rows[b]
                 forwards[b] += 1
@@ -217,6 +220,10 @@ class DraftModelProposer:
         if pipeline is None or pipeline.grammar is None:
             return None
         return pipeline.forced(row.tokens, drafts)
+
+    def unread(self) -> list[int]:
+        """Per row, the committed tokens its cache has not read (a row that never drafted: all)."""
+        return [len(state.pending) for state in self.rows]
 
     def commit(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
         for state, n, new in zip(self.rows, num_accepted, new_tokens):

@@ -57,6 +57,13 @@ class PromptLookupProposer:
     def read_s(self) -> float:
         return self.fallback.read_s if self.fallback is not None else 0.0
 
+    @property
+    def read_tokens(self) -> int:
+        return self.fallback.read_tokens if self.fallback is not None else 0
+
+    def unread(self) -> list[int] | None:
+        return self.fallback.unread() if self.fallback is not None and hasattr(self.fallback, "unread") else None
+
     def add_row(self, prompt_ids: Sequence[int], encoder_input_ids: Sequence[int] | None = None) -> None:
         if self.fallback is not None:
             self.fallback.add_row(prompt_ids, encoder_input_ids)
