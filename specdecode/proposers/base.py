@@ -59,6 +59,8 @@ class Proposer(Protocol):
     time_s: float  # seconds spent proposing, all rows
     read_s: float  # of time_s, seconds reading committed tokens (a prompt, a row catching up): not a draft step's cost
     read_tokens: int  # the tokens those reads covered
+    # Optional: unread() -> list[int], per row the committed tokens the proposer has yet to read
+    # before it can draft (the engine's batch cost model charges them; without it reads are free).
 
     def add_row(self, prompt_ids: Sequence[int], encoder_input_ids: Sequence[int] | None = None) -> None:
         """A request joins as the last row; its prompt is the committed prefix."""

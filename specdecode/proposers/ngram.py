@@ -90,6 +90,7 @@ class NGramProposer:
     def __init__(self, model: NGramModel):
         self.model = model
         self.time_s = self.read_s = 0.0
+        self.read_tokens = 0  # no model cache: nothing to read
 
     def add_row(self, prompt_ids, encoder_input_ids=None) -> None:
         pass
