@@ -194,14 +194,23 @@ def test_a_replica_killed_mid_run_is_replaced_and_the_server_serves_again(replic
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="on the merged main (2026-12-01) Ray Serve did not add the second replica within 240 s, "
-                         "alone or after the other tests; --autoscale is unverified until this is found (issue 14)")
+@pytest.mark.skip(reason="flaky on 2 CPUs (issue 14): run alone on 2026-12-01 it passed once in 61 s and twice saw no "
+                         "second replica within 240 s; run it with -p no:skipping to see the replica states it polled")
 def test_autoscale_starts_at_min_and_adds_a_replica_under_load(cluster, long_dirs, one_process):
     with serve_replicas(long_dirs, "--replicas", "1", "--autoscale", "1:2", "--max-batch-size", "1",
                         expect={"RUNNING": 1}) as url:
         assert complete(url, "abc").choices[0].text == one_process["abc"]
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             busy = [pool.submit(complete, url, p, max_tokens=6000, timeout=600) for p in PROMPTS]
-            wait_for(lambda: replica_states() == {"RUNNING": 2}, 240, "a second replica under load")
+            seen = []  # the states polled, for the failure message
+
+            def two_running():
+                seen.append(replica_states())
+                return seen[-1] == {"RUNNING": 2}
+
+            try:
+                wait_for(two_running, 240, "a second replica under load")
+            except pytest.fail.Exception:
+                pytest.fail(f"no second replica within 240 s; replica states seen: {sorted(set(map(str, seen)))}")
             for future in busy:
                 future.result()
