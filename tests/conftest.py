@@ -37,3 +37,21 @@ def model_dirs(tmp_path_factory, request):
     alien_tok.save_pretrained(root / "alien")
     dirs["alien"] = str(root / "alien")
     return dirs
+
+
+@pytest.fixture(scope="session")
+def long_model_dirs(model_dirs, tmp_path_factory):
+    """The tiny target and draft with a 16384-token context window: a long request runs for seconds
+    to minutes (rotary positions: nothing is sized by it)."""
+    import json
+    import shutil
+
+    root = tmp_path_factory.mktemp("long")
+    dirs = {}
+    for name in ("target", "draft"):
+        shutil.copytree(model_dirs[name], root / name)
+        config = json.loads((root / name / "config.json").read_text())
+        config["max_position_embeddings"] = 16384
+        (root / name / "config.json").write_text(json.dumps(config))
+        dirs[name] = str(root / name)
+    return dirs

@@ -24,22 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
 
-@pytest.fixture(scope="module")
-def long_model_dirs(model_dirs, tmp_path_factory):
-    """The tiny target and draft with a 16384-token context window: generation runs for minutes."""
-    import shutil
-
-    root = tmp_path_factory.mktemp("long")
-    dirs = {}
-    for name in ("target", "draft"):
-        shutil.copytree(model_dirs[name], root / name)
-        config = json.loads((root / name / "config.json").read_text())
-        config["max_position_embeddings"] = 16384  # rotary positions: nothing is sized by it
-        (root / name / "config.json").write_text(json.dumps(config))
-        dirs[name] = str(root / name)
-    return dirs
-
-
 # A shell started in the background ignores SIGINT, and its children inherit that; the launcher
 # restores the default before exec so that Python installs its Ctrl-C handler (no preexec_fn: this
 # process has torch's threads).
