@@ -14,7 +14,7 @@ def test_the_compute_thread_keeps_the_callers_torch_thread_count():
     seen = []
     try:
         torch.set_num_threads(1)
-        thread = threads.compute_thread(lambda: seen.append(torch.get_num_threads()), name="t")
+        thread = threads.ComputeThread(lambda: seen.append(torch.get_num_threads()), name="t")
         thread.start()
         thread.join(30)
     finally:
@@ -35,7 +35,7 @@ def test_the_openmp_runtime_torch_loaded_is_found_and_frees_the_callers_pool():
 def test_the_compute_thread_frees_the_callers_pool_when_it_starts(monkeypatch):
     calls = []
     monkeypatch.setattr(threads, "free_openmp_threads", lambda: calls.append("freed") or True)
-    thread = threads.compute_thread(lambda: calls.append("ran"), name="t")
+    thread = threads.ComputeThread(lambda: calls.append("ran"), name="t")
     assert calls == []
     thread.start()
     thread.join(30)

@@ -59,25 +59,25 @@ def free_openmp_threads() -> bool:
     return freed
 
 
-def compute_thread(target, name: str, daemon: bool = True) -> threading.Thread:
-    """A thread that takes over this process's torch compute from the calling thread: it keeps the
-    caller's torch thread count (OpenMP's is per thread), and the caller's idle OpenMP workers are
-    freed when it starts. The calling thread should not run torch afterwards (it would bring its
-    pool back).
+class ComputeThread(threading.Thread):
+    """A thread that takes over this process's torch compute from the thread that creates it: it
+    keeps the creator's torch thread count (OpenMP's is per thread), and the starting thread's idle
+    OpenMP workers are freed when it starts. The starting thread should not run torch afterwards
+    (it would bring its pool back).
 
     Args:
         target: the callable the thread runs (no arguments).
         name: the thread's name.
     """
-    threads = torch.get_num_threads()
 
-    def run():
-        torch.set_num_threads(threads)
-        target()
+    def __init__(self, target, name: str, daemon: bool = True):
+        super().__init__(name=name, daemon=daemon)
+        self._compute, self._torch_threads = target, torch.get_num_threads()
 
-    class _ComputeThread(threading.Thread):
-        def start(self):
-            free_openmp_threads()
-            super().start()
+    def start(self) -> None:
+        free_openmp_threads()
+        super().start()
 
-    return _ComputeThread(target=run, name=name, daemon=daemon)
+    def run(self) -> None:
+        torch.set_num_threads(self._torch_threads)
+        self._compute()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from specdecode.engine.engine import Engine, StepOutput
 from specdecode.engine.request import Request
-from specdecode.engine.threads import compute_thread
+from specdecode.engine.threads import ComputeThread
 
 
 log = logging.getLogger("specdecode.serve")
@@ -62,7 +62,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
-        self._thread = compute_thread(self._run, name="specdecode-engine")
+        self._thread = ComputeThread(self._run, name="specdecode-engine")
 
     def start(self) -> None:
         self._thread.start()
