@@ -55,7 +55,8 @@ def add_parser(sub) -> None:
     bench.add_argument("--tree-widths", type=int, nargs="*", default=[], metavar="W",
                        help="also run the configured decoder drafting token trees of these widths (e.g. 2 3)")
     bench.add_argument("--batch-size", type=int, nargs="*", default=[], metavar="N",
-                       help="also time batched plain and speculative decoding (γ = 4) at these batch sizes, e.g. 1 2 4 8")
+                       help="also time batched plain and speculative decoding (the decoder as configured) at these "
+                            "batch sizes, e.g. 1 2 4 8")
     add_out_flag(bench, "bench")
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run in a few minutes: 2 prompts, 24 tokens, 1 repeat, γ 2 and 4")

@@ -18,7 +18,8 @@ from specdecode.sampling import SamplingParams
 
 def batch_throughput(target_backend, draft_backend, prompt_ids: list[list[int]], batch_sizes: list[int],
                      new_tokens: int, gamma: int, sampling: SamplingParams,
-                     draft_confidence: float = 0.0) -> list[dict]:
+                     draft_confidence: float = 0.0, make_proposer=None, guard_costs: tuple[float, float] | None = None,
+                     batch_guard: bool = False) -> list[dict]:
     """Time plain and speculative batched decoding at each batch size (paper §3.3's assumption).
 
     Every row generates exactly `new_tokens` (EOS is ignored), so batch sizes compare like for
@@ -31,6 +32,10 @@ def batch_throughput(target_backend, draft_backend, prompt_ids: list[list[int]],
         prompt_ids: non-empty lists of token ids.  batch_sizes: integers >= 1.
         new_tokens: tokens per row (>= 1).  gamma: γ, drafts per step (>= 1).
         sampling: the sampling settings of every row.  draft_confidence: dynamic γ, in [0, 1).
+        make_proposer: builds the speculative runs' proposer (default: the draft model alone with
+            draft_confidence), e.g. a decoder's configured one (prompt lookup, trees).
+        guard_costs, batch_guard: the guard of each row (DecodeConfig.costs) and the engine's batch
+            cost model (engine.cost) in the speculative runs, as a SpeculativeDecoder sets them.
     Returns:
         one dict per (batch size, method), plain first: batch_size, method ("plain" |
         "speculative"), gamma (0 for plain), num_tokens (all rows), wall_time_s,
@@ -50,13 +55,17 @@ def batch_throughput(target_backend, draft_backend, prompt_ids: list[list[int]],
     rows = []
     for batch_size in batch_sizes:
         prompts = [list(prompt_ids[i % len(prompt_ids)]) for i in range(batch_size)]
-        configs = [DecodeConfig(max_new_tokens=new_tokens, num_speculative_tokens=gamma, sampling=dataclasses.replace(
-            sampling, seed=None if sampling.seed is None else sampling.seed + i)) for i in range(batch_size)]
+        configs = [DecodeConfig(max_new_tokens=new_tokens, num_speculative_tokens=gamma, costs=guard_costs,
+                                sampling=dataclasses.replace(sampling, seed=None if sampling.seed is None else sampling.seed + i))
+                   for i in range(batch_size)]
         plain_wall = None
         for method in methods:
-            proposer = DraftModelProposer(draft_backend, draft_confidence) if method == "speculative" else None
+            proposer = None
+            if method == "speculative":
+                proposer = make_proposer() if make_proposer else DraftModelProposer(draft_backend, draft_confidence)
             start = time.perf_counter()
-            results = run_all(target_backend, proposer, [Request(p, c) for p, c in zip(prompts, configs)])
+            results = run_all(target_backend, proposer, [Request(p, c) for p, c in zip(prompts, configs)],
+                              batch_guard=batch_guard and proposer is not None)
             wall = time.perf_counter() - start
             plain_wall = wall if plain_wall is None else plain_wall
             drafted = sum(r.stats.num_drafted for r in results)

@@ -36,7 +36,6 @@ from specdecode.measure.timing import measure_costs
 
 BASELINE = "transformers generate, target alone"
 LENIENCE_GAMMA = 4
-BATCH_GAMMA = 4
 
 
 class NoEOS:
@@ -289,8 +288,8 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
                  progress: Callable[[int, int, str], None] | None = None) -> dict:
     """Run the benchmark and write OUT.{json,md} and OUT_*.png. Raises ValueError for an
     encoder–decoder pair (not supported yet). Returns {"meta", "costs", "rows",
-    "theory", "batch"}. batch_sizes: also time batched plain and speculative decoding (draft model,
-    γ = BATCH_GAMMA) at these batch sizes (specdecode.measure.batch_bench). compare_verification,
+    "theory", "batch"}. batch_sizes: also time batched plain and speculative decoding (the decoder as
+    configured) at these batch sizes (specdecode.measure.batch_bench). compare_verification,
     tree_widths: see build_configs."""
     from specdecode.measure.data import load_prompts
     from specdecode.measure.plots import (
@@ -362,10 +361,14 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
         body += [""] + [f"![{f.stem}]({f.name})" for f in figures]
     batch = []
     if batch_sizes and draft is not None:
+        # As configured: the decoder's proposer, γ, guard (greedy rows) and batch cost model
         batch = batch_throughput(decoder.target.backend, draft, [ids for _, ids in prompts], list(batch_sizes),
-                                 new_tokens, BATCH_GAMMA, sampling, decoder.draft_confidence)
-        body += ["", f"## Batches (γ ≤ {BATCH_GAMMA}, draft confidence {decoder.draft_confidence:g}, no prompt lookup; "
-                     "one run per setting)", "",
+                                 new_tokens, decoder.num_speculative_tokens, sampling,
+                                 make_proposer=lambda: decoder._proposer(draft),
+                                 guard_costs=decoder.guard_costs if sampling.greedy else None,
+                                 batch_guard=decoder.guard_costs is not None)
+        body += ["", f"## Batches (the decoder as configured: γ ≤ {decoder.num_speculative_tokens}, its guard and "
+                     "batch cost model; one run per setting)", "",
                  "Total tokens/s over all rows; speedup = plain wall time / speculative wall time at the same "
                  "batch size. The paper's speedup assumes spare compute (§3.3); a batch spends it.", ""]
         body += markdown_table(["batch size", "method", "tokens/s", "mean latency per row (s)", "tokens/call",
