@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -178,14 +179,22 @@ def test_a_replica_killed_mid_run_is_replaced_and_the_server_serves_again(replic
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="flaky on 2 CPUs (issue 14): run alone on 2026-12-01 it passed once in 61 s and twice saw no "
-                         "second replica within 240 s; run it with -p no:skipping to see the replica states it polled")
 def test_autoscale_starts_at_min_and_adds_a_replica_under_load(cluster, long_model_dirs, one_process):
+    # Ray Serve scales up once the requests in flight stay above the target for its upscale delay
+    # (30 s by default), so the load must last: six clients send long requests back to back until
+    # a second replica runs. (One round of six requests ended in about 18 s, and the test was flaky.)
     with serve_replicas(long_model_dirs, "--replicas", "1", "--autoscale", "1:2", "--max-batch-size", "1",
                         expect={"RUNNING": 1}) as url:
         assert complete(url, "abc").choices[0].text == one_process["abc"]
+        scaled = threading.Event()
+        deadline = time.monotonic() + 240
+
+        def keep_busy(prompt):
+            while not scaled.is_set() and time.monotonic() < deadline:
+                complete(url, prompt, max_tokens=6000, timeout=600)
+
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            busy = [pool.submit(complete, url, p, max_tokens=6000, timeout=600) for p in PROMPTS]
+            busy = [pool.submit(keep_busy, p) for p in PROMPTS]
             seen = []  # the states polled, for the failure message
 
             def two_running():
@@ -196,5 +205,7 @@ def test_autoscale_starts_at_min_and_adds_a_replica_under_load(cluster, long_mod
                 wait_for(two_running, 240, "a second replica under load")
             except pytest.fail.Exception:
                 pytest.fail(f"no second replica within 240 s; replica states seen: {sorted(set(map(str, seen)))}")
+            finally:
+                scaled.set()
             for future in busy:
                 future.result()
