@@ -162,9 +162,11 @@ def test_a_replica_killed_mid_run_is_replaced_and_the_server_serves_again(replic
         except openai.APIError as err:
             return f"{type(err).__name__}: {err}"
 
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(long_request, i) for i in range(6)]
-        time.sleep(3)  # all six are decoding, spread over both replicas
+    # Twelve requests, so that the router leaves some on each replica (with six, one replica once
+    # held five and the other one)
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(long_request, i) for i in range(12)]
+        time.sleep(3)  # all twelve are decoding, spread over both replicas
         os.kill(pid, signal.SIGKILL)
         outcomes = [f.result() for f in futures]
     print("outcomes of in-flight requests:", outcomes)
