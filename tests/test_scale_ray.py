@@ -40,30 +40,3 @@ def test_ray_data_records_equal_the_local_run_and_resume_skips_written_ids(model
         want = expected[json.dumps(record["id"])]
         assert record.get("text") == want.get("text") and record.get("error") == want.get("error")
         assert record.get("usage") == want.get("usage")
-
-
-def test_decoder_workers_run_at_normal_priority():
-    """Ray starts workers at nice 15; the Ray Data decoders ask for 0 (WORKER_RUNTIME_ENV), and an
-    actor started without it shows the check can fail."""
-    import os
-
-    import ray
-    import ray.data
-
-    from specdecode.scale.ray_data import WORKER_RUNTIME_ENV
-
-    class Niceness:
-        def __call__(self, batch):
-            return {"nice": [os.nice(0)] * len(batch["id"])}
-
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    try:
-        def niceness(**options):
-            dataset = ray.data.range(2, override_num_blocks=1).map_batches(
-                Niceness, compute=ray.data.ActorPoolStrategy(size=1), num_cpus=1, batch_format="numpy", **options)
-            return {int(n) for row in dataset.take_all() for n in [row["nice"]]}
-
-        assert niceness(runtime_env=WORKER_RUNTIME_ENV) == {0}
-        assert niceness() != {0}
-    finally:
-        ray.shutdown()

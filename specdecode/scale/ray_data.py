@@ -20,13 +20,6 @@ from specdecode.scale.batch import BatchSummary, job
 from specdecode.scale.cluster import check_models, connect, use_assigned_cpus
 from specdecode.scale.rows import RowDefaults, error_record, parse_line
 
-# Ray starts its workers at nice 15 (its `worker_niceness`), below its own daemons. A decoder that
-# keeps every assigned core busy then loses its OpenMP threads to any other process that wakes:
-# the same decode ran about 7% slower in a Ray worker than in a plain process on 2 cores. Ray's job
-# manager starts its own supervisor actors at 0 the same way.
-WORKER_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
-
-
 class DecoderWorker:
     """A Ray Data callable class: one SpeculativeDecoder per actor, built once in the actor.
 
@@ -100,7 +93,7 @@ def run_batch_on_ray(decoder_kwargs: dict, input_path: str, output_path: str, de
                     DecoderWorker, fn_constructor_kwargs=dict(decoder_kwargs=decoder_kwargs, defaults=defaults,
                                                               max_batch_size=max_batch_size),
                     batch_size=rows_per_task, compute=ray.data.ActorPoolStrategy(size=workers),
-                    num_cpus=cpus_per_worker, batch_format="numpy", runtime_env=WORKER_RUNTIME_ENV)
+                    num_cpus=cpus_per_worker, batch_format="numpy")
                 for batch in records.iter_batches(batch_size=None, batch_format="numpy"):
                     for text in batch["record"]:
                         write(json.loads(str(text)))
