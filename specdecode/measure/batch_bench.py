@@ -65,7 +65,7 @@ def batch_throughput(target_backend, draft_backend, prompt_ids: list[list[int]],
                 proposer = make_proposer() if make_proposer else DraftModelProposer(draft_backend, draft_confidence)
             start = time.perf_counter()
             results = run_all(target_backend, proposer, [Request(p, c) for p, c in zip(prompts, configs)],
-                              batch_guard=batch_guard and proposer is not None)
+                              batch_guard=batch_guard)
             wall = time.perf_counter() - start
             plain_wall = wall if plain_wall is None else plain_wall
             drafted = sum(r.stats.num_drafted for r in results)
