@@ -145,8 +145,11 @@ def test_two_replicas_answer_concurrent_requests_with_the_one_process_text(repli
 def test_a_replica_killed_mid_run_is_replaced_and_the_server_serves_again(replicas, one_process):
     before = replica_actors()
     assert len(before) == 2
-    victim = ray.get_actor(before[0], namespace="serve")
-    pid = ray.get(victim.__ray_call__.remote(lambda self: os.getpid()))
+    actors = {name: ray.get_actor(name, namespace="serve") for name in before}
+
+    def ongoing() -> dict:
+        """{replica actor name: requests in flight there}, as Ray Serve's router sees them."""
+        return {name: ray.get(actor.get_num_ongoing_requests.remote()) for name, actor in actors.items()}
 
     def long_request(i):
         """What the client saw: "ok", "status N" (an error response) or the exception raised."""
@@ -162,13 +165,18 @@ def test_a_replica_killed_mid_run_is_replaced_and_the_server_serves_again(replic
         except openai.APIError as err:
             return f"{type(err).__name__}: {err}"
 
-    # Twelve requests, so that the router leaves some on each replica (with six, one replica once
-    # held five and the other one)
+    # Twelve requests; the victim is whichever replica holds the most of them once both hold some
+    # (the router's split varies: with six requests one replica once held five and the other one,
+    # and killing a fixed replica once hit one with none in flight)
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(long_request, i) for i in range(12)]
-        time.sleep(3)  # all twelve are decoding, spread over both replicas
+        counts = wait_for(lambda: c if min((c := ongoing()).values()) > 0 else None, 60,
+                          "requests in flight on both replicas")
+        victim = max(counts, key=counts.get)
+        pid = ray.get(actors[victim].__ray_call__.remote(lambda self: os.getpid()))
         os.kill(pid, signal.SIGKILL)
         outcomes = [f.result() for f in futures]
+    print("requests in flight per replica at the kill:", counts)
     print("outcomes of in-flight requests:", outcomes)
     # the requests on the killed replica fail (an error, never a hang or a text cut short that
     # looks finished); the others finish
