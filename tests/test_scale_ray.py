@@ -2,6 +2,7 @@
 dashboard): greedy records equal to the local run row for row, resuming the same way."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().split("\n") if line]
 
 
-def test_ray_data_records_equal_the_local_run_and_resume_skips_written_ids(model_dirs, tmp_path):
+def test_ray_data_records_equal_the_local_run_and_resume_skips_written_ids(model_dirs, tmp_path, capfd):
     rows = [{"id": f"r{i}", "prompt": p} for i, p in enumerate(PROMPTS)] + ["not json", {"prompt": "ace", "top_p": 2}]
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
@@ -31,8 +32,16 @@ def test_ray_data_records_equal_the_local_run_and_resume_skips_written_ids(model
     # a crashed earlier run wrote two rows and half of a third
     lines = local.read_text().split("\n")
     on_ray.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:10])
-    assert main(["batch", str(inp), "--output", str(on_ray), *models(model_dirs), "--ray", "--workers", "1",
+    capfd.readouterr()
+    loud = [flag for flag in models(model_dirs) if flag != "--quiet"]  # for the summary line
+    assert main(["batch", str(inp), "--output", str(on_ray), *loud, "--ray", "--workers", "1",
                  "--rows-per-task", "4"]) == 0
+    # the summary gives the job's time and, within it, the time the workers decoded
+    summary = re.search(r"(\d+) tokens in ([\d.]+) s \([\d.]+ tokens/s\) \(([\d.]+) tokens/s over the ([\d.]+) s the "
+                        r"workers decoded\)", capfd.readouterr().err)
+    assert summary, "no summary line with the decoding time"
+    tokens, wall, rate, decoding = int(summary[1]), float(summary[2]), float(summary[3]), float(summary[4])
+    assert 0 < decoding < wall and rate > tokens / wall
     expected = {json.dumps(r["id"]): r for r in read_jsonl(local)}
     got = read_jsonl(on_ray)
     assert len(got) == len(expected) == len(rows) and {json.dumps(r["id"]) for r in got} == set(expected)

@@ -146,10 +146,7 @@ def _run_replicas(args, parser, autoscale) -> int:
         catch_signals()
         ray_serve.start(ray_serve.deployment(kwargs, name, args.max_queue, args.api_key, plan), args.host, args.port)
     except (ConnectionError, RuntimeError, ValueError) as err:
-        if started:
-            import ray
-
-            ray.shutdown()
+        cluster.disconnect(started)
         return error(err)
     if not args.quiet:
         print(f"specdecode: serving {name!r} on http://{args.host}:{args.port} as {args.replicas} Ray Serve "
@@ -158,10 +155,7 @@ def _run_replicas(args, parser, autoscale) -> int:
     while not stopping.wait(1):
         pass
     ray_serve.stop()
-    if started:
-        import ray
-
-        ray.shutdown()
+    cluster.disconnect(started)
     if not args.quiet:
         print("specdecode: replicas stopped", file=sys.stderr)
     return 0

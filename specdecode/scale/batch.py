@@ -106,7 +106,12 @@ def decode_rows(decoder, rows: Iterable[Row], max_batch_size: int, raw: bool = F
 @dataclass
 class BatchSummary:
     """What a job did. rows: in the input; skipped: already in the output before this run;
-    done, failed: rows written by this run (results, error records); tokens: completion tokens."""
+    done, failed: rows written by this run (results, error records); tokens: completion tokens.
+    wall_time_s: the job's time in this process (a local run's excludes model loading, as the
+    decoder is built before; a Ray run's includes the cluster start and the workers' loading).
+    decode_time_s: a Ray run's time with workers decoding, from the first batch's start to the
+    last one's end on the workers' clocks; None for a local run, whose wall time is that already.
+    """
 
     rows: int = 0
     skipped: int = 0
@@ -116,6 +121,7 @@ class BatchSummary:
     drafted: int = 0
     accepted: int = 0
     wall_time_s: float = 0.0
+    decode_time_s: float | None = None
     cut_bytes: int = 0
 
     def add(self, record: dict) -> None:
@@ -137,8 +143,10 @@ class BatchSummary:
 
     def line(self) -> str:
         acceptance = f"{self.acceptance_rate:.3f}" if self.drafted else "n/a"
+        decoding = (f" ({self.tokens / self.decode_time_s:.2f} tokens/s over the {self.decode_time_s:.1f} s the "
+                    "workers decoded)" if self.decode_time_s else "")
         return (f"{self.done} rows done, {self.failed} failed, {self.skipped} already in the output; "
-                f"{self.tokens} tokens in {self.wall_time_s:.1f} s ({self.tokens_per_second:.2f} tokens/s), "
+                f"{self.tokens} tokens in {self.wall_time_s:.1f} s ({self.tokens_per_second:.2f} tokens/s){decoding}, "
                 f"acceptance rate {acceptance}")
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import ray
 import ray.data
 
 from specdecode.scale.batch import BatchSummary, job
-from specdecode.scale.cluster import check_models, connect, use_assigned_cpus
+from specdecode.scale.cluster import check_models, connect, disconnect, use_assigned_cpus
 from specdecode.scale.rows import RowDefaults, error_record, parse_line
 
 class DecoderWorker:
@@ -26,8 +27,9 @@ class DecoderWorker:
     Args:
         decoder_kwargs: SpeculativeDecoder's arguments (plain values).  defaults: RowDefaults.
         max_batch_size: rows decoded together.
-    Call: a batch {"line": int array, "text": str array} of input lines → {"record": JSON strings},
-        one per line (results and error records).
+    Call: a batch {"line": int array, "text": str array} of input lines → {"record": JSON strings,
+        one per line (results and error records); "started", "ended": the call's start and end on
+        this node's clock (Unix seconds, float64), repeated per line}.
     """
 
     def __init__(self, decoder_kwargs: dict, defaults: RowDefaults, max_batch_size: int):
@@ -45,10 +47,13 @@ class DecoderWorker:
     def __call__(self, batch: dict) -> dict:
         from specdecode.scale.batch import decode_rows
 
+        started = time.time()
         use_assigned_cpus()  # torch's thread count is per thread under OpenMP
         rows = [parse_line(str(text), int(line), self.defaults) for line, text in zip(batch["line"], batch["text"])]
         records = decode_rows(self.decoder, rows, self.max_batch_size, self.defaults.raw)
-        return {"record": [json.dumps(r, ensure_ascii=False) for r in records]}
+        ended = time.time()
+        return {"record": [json.dumps(r, ensure_ascii=False) for r in records],
+                "started": [started] * len(records), "ended": [ended] * len(records)}
 
 
 def run_batch_on_ray(decoder_kwargs: dict, input_path: str, output_path: str, defaults: RowDefaults = RowDefaults(),
@@ -94,10 +99,12 @@ def run_batch_on_ray(decoder_kwargs: dict, input_path: str, output_path: str, de
                                                               max_batch_size=max_batch_size),
                     batch_size=rows_per_task, compute=ray.data.ActorPoolStrategy(size=workers),
                     num_cpus=cpus_per_worker, batch_format="numpy")
+                first, last = math.inf, -math.inf
                 for batch in records.iter_batches(batch_size=None, batch_format="numpy"):
+                    first, last = min(first, *batch["started"]), max(last, *batch["ended"])
+                    summary.decode_time_s = last - first
                     for text in batch["record"]:
                         write(json.loads(str(text)))
             finally:
-                if started:
-                    ray.shutdown()
+                disconnect(started)
     return summary
