@@ -342,12 +342,13 @@ class SpeculativeDecoder:
             prepare_draft_cached(model, bits, None if given else spec, progress)
         if device_map is None and next(model.parameters()).device != self.device:
             model.to(self.device)
-        return _Loaded(self._backend(model, vocab_limit), tok, name)
+        return _Loaded(self._backend(model, vocab_limit, lean=quantization is not False), tok, name)
 
     @staticmethod
-    def _backend(model, vocab_limit):
+    def _backend(model, vocab_limit, lean=False):
+        """lean: a draft's backend, which may use the lean forward (models/lean.py)."""
         if not getattr(model.config, "is_encoder_decoder", False):
-            return HFCausalLM(model, vocab_limit)
+            return HFCausalLM(model, vocab_limit, lean=lean)
         if vocab_limit is not None:
             raise ValueError("draft_vocab_limit is supported for decoder-only drafts only; pass "
                              "draft_vocab_limit=None with an encoder-decoder draft")

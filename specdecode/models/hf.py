@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.models import lean as lean_decoder
 from specdecode.models.quant import QUANTIZED_LINEAR
 
 # Compact once dead slots exceed both this many slots and the longest row's length: compaction
@@ -87,7 +88,7 @@ class HFCausalLM:
     """
 
     def __init__(self, model, vocab_limit: int | None = None, compact_min_dead: int = COMPACT_MIN_DEAD,
-                 compact_ratio: float = COMPACT_RATIO):
+                 compact_ratio: float = COMPACT_RATIO, lean: bool = False):
         from transformers import DynamicCache
 
         self.model = model.eval()
@@ -99,6 +100,10 @@ class HFCausalLM:
         self.max_rows = 1 if self.sliding else None
         self.device = model.get_input_embeddings().weight.device
         self.compact_min_dead, self.compact_ratio = compact_min_dead, compact_ratio
+        # a draft's forward without transformers' per-module overhead (models/lean.py), where it
+        # reproduces the model; a target keeps transformers' own
+        self._lean = lean_decoder.LeanDecoder(model) if lean and not self.sliding and lean_decoder.supports(model) \
+            else None
         self.reset()
 
     def reset(self) -> None:
@@ -194,7 +199,10 @@ class HFCausalLM:
         """Each layer's (keys, values) [1, H, len(ids), D] for ids read from position 0."""
         cache = self._new_cache()
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
-        self.model.get_decoder()(input_ids=tokens, cache=cache, use_cache=True)
+        if self._lean is not None:
+            self._lean(tokens, None, torch.arange(len(ids), device=self.device)[None], cache)
+        else:
+            self.model.get_decoder()(input_ids=tokens, cache=cache, use_cache=True)
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     @torch.inference_mode()
@@ -237,7 +245,10 @@ class HFCausalLM:
             tree_blocks = self._tree_blocks(trees, [len(f) for f in feeds], positions, width)
         # Dense rows (one row always is) need no mask: the model's own causal path.
         mask = None if bool(valid.all()) and trees is None else self._mask(valid, width, tree_blocks)
-        if self._head is not None:
+        if self._lean is not None:
+            hidden = self._lean(tokens, mask, positions, self.cache)
+            logits = (self._head or self.model.get_output_embeddings())(hidden[:, -num_logits:])
+        elif self._head is not None:
             hidden = self.model.get_decoder()(input_ids=tokens, attention_mask=mask, position_ids=positions,
                                               cache=self.cache, use_cache=True).last_hidden_state
             logits = self._head(hidden[:, -num_logits:])
