@@ -25,6 +25,11 @@ step specdecode bench --tasks translation summarization qa math_reasoning rag co
     --repeats 1 --gammas --headline --hf-assisted none --out docs/bench_specbench10 --quiet
 step specdecode bench --tasks code --prompts 4 --new-tokens 128 --repeats 1 --gammas --headline --hf-assisted none \
     --batch-size 1 2 4 --out docs/bench_batch_defaults --quiet
+# The lean draft forward (models/lean.py): its step time against transformers' forward, and HumanEval
+# greedy with it. (The docs above it were measured before it existed; rerun now, they use it too.)
+step python benchmarks/lean_draft.py --out docs/lean_draft
+step specdecode bench --tasks code --prompts 20 --new-tokens 128 --repeats 1 --gammas --headline \
+    --hf-draft ours --hf-assisted heuristic@ours --out docs/bench_code_t0_20_lean --quiet
 # Ray Data (1 worker) against the local `specdecode batch`, 40 HumanEval prompts x 64 tokens (issue 14).
 step python benchmarks/ray_batch.py --prompts 40 --max-tokens 64 --repeats 3 --out docs/ray_batch
 # What logprobs, penalties and a JSON schema cost under speculation (issue 12).
