@@ -1,6 +1,6 @@
 """A lean forward for the draft: the decoder of a Llama- or Qwen2-style model (RMSNorm, rotary
 positions, grouped-query attention, SiLU-gated MLP) written out as plain torch calls over the same
-transformers cache, with q|k|v and gate|up each fused into one layer.
+transformers cache, with an int4 draft's q|k|v and gate|up each fused into one layer.
 
 Why: at one token per row a 0.5B draft's forward is mostly per-op overhead, not arithmetic. On 2
 cores its int4 matmuls take 8.5 ms of the 19-20 ms that transformers' forward takes
@@ -50,12 +50,10 @@ def supports(model) -> bool:
 
 
 def _fuse(layers: list[torch.nn.Module]):
-    """One layer computing the concatenated outputs of `layers` (same input), or None when they
-    cannot be fused (mixed kinds, int8, different int4 group sizes)."""
-    if all(type(layer) is torch.nn.Linear for layer in layers):
-        weight = torch.cat([layer.weight for layer in layers])
-        bias = _cat_bias(layers, weight.dtype)
-        return lambda x: F.linear(x, weight, bias)
+    """One int4 layer computing the concatenated outputs of int4 `layers` (same input), or None:
+    float layers stay apart (a fused copy would add up to two thirds of a float draft's weights
+    to memory; an int4 copy of the zoo draft's adds about 0.25 GB), as do int8 layers and
+    different group sizes."""
     if all(isinstance(layer, Int4Linear) for layer in layers) and len({l.group_size for l in layers}) == 1:
         # nibbles [out, in/2]; scale_zero [in/group, out, 2]: both concatenate along out
         return Int4Linear.from_buffers(torch.cat([layer.nibbles for layer in layers]),
