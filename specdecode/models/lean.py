@@ -9,7 +9,7 @@ per target call. Fusing the projections halves the matmul calls; writing the lay
 module and keyword plumbing around each op.
 
 Exactness does not depend on it: the verifier uses whatever q the draft computed (paper §2.3,
-DESIGN.md rule 6), so a draft forward that differs in rounding changes acceptance, never the
+DESIGN.md exactness rule 1), so a draft forward that differs in rounding changes acceptance, never the
 output distribution. tests/test_lean.py checks it against transformers' forward to float32
 rounding, rows, masks, trees and rollback included, so that acceptance does not drop either.
 
@@ -52,7 +52,7 @@ def supports(model) -> bool:
 def _fuse(layers: list[torch.nn.Module]):
     """One int4 layer computing the concatenated outputs of int4 `layers` (same input), or None:
     float layers stay apart (a fused copy would add up to two thirds of a float draft's weights
-    to memory; an int4 copy of the zoo draft's adds about 0.25 GB), as do int8 layers and
+    to memory; an int4 copy of the zoo draft's adds 0.26 GB), as do int8 layers and
     different group sizes."""
     if all(isinstance(layer, Int4Linear) for layer in layers) and len({l.group_size for l in layers}) == 1:
         # nibbles [out, in/2]; scale_zero [in/group, out, 2]: both concatenate along out
