@@ -33,3 +33,25 @@ def test_a_model_that_cannot_load_fails_before_ray_starts(command, tmp_path, cap
     assert main([*argv, "--target", str(tmp_path / "missing"), "--quiet"]) == 2
     assert "does not exist" in capsys.readouterr().err and not ray.is_initialized()
     assert not (tmp_path / "out.jsonl").exists() or (tmp_path / "out.jsonl").read_text() == ""
+
+
+@pytest.mark.parametrize("command", [["serve", "--replicas", "1", "--ray", "ADDRESS"],
+                                     ["batch", "IN", "--output", "OUT", "--ray", "ADDRESS"]])
+def test_a_ray_address_with_nothing_listening_fails_at_once(command, model_dirs, tmp_path, capsys):
+    # ray.init would retry such an address for minutes
+    ray = pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]'")
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nothing listens on once this closes
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    (tmp_path / "in.jsonl").write_text('{"prompt": "abc"}\n')
+    argv = [{"IN": str(tmp_path / "in.jsonl"), "OUT": str(tmp_path / "out.jsonl"), "ADDRESS": address}.get(a, a)
+            for a in command]
+    start = time.monotonic()
+    assert main([*argv, "--target", model_dirs["target"], "--draft", model_dirs["draft"], "--dtype", "float32",
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"no Ray cluster at {address}" in err and err.count("\n") == 1 and time.monotonic() - start < 60
+    assert not ray.is_initialized()
