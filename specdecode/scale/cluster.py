@@ -110,7 +110,7 @@ def _kill_stragglers(session_dir: str) -> None:
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
-            if any(os.readlink(f"/proc/{entry}/fd/{fd}").startswith(session_dir)
+            if any(os.readlink(f"/proc/{entry}/fd/{fd}").startswith(session_dir + os.sep)
                    for fd in os.listdir(f"/proc/{entry}/fd")):
                 os.kill(int(entry), signal.SIGKILL)
         except OSError:  # gone meanwhile, or not ours to inspect
