@@ -62,6 +62,10 @@ def test_lean_forward_gives_transformers_logits_through_rows_trees_and_rollback(
     if name.endswith("int4"):  # the fused layers are int4 too
         assert isinstance(backends[1]._lean.layers[0].qkv, Int4Linear)
         assert isinstance(backends[1]._lean.layers[0].gate_up, Int4Linear)
+        # the kernel's packed copy, concatenated from the layers' own, equals a fresh packing
+        for fused in (backends[1]._lean.layers[0].qkv, backends[1]._lean.layers[0].gate_up):
+            repacked = Int4Linear.from_buffers(fused.nibbles, fused.scale_zero, None, fused.group_size)
+            assert torch.equal(fused.packed, repacked.packed)
     gen = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(0, 96, (n,), generator=gen).tolist()  # noqa: E731
     both(backends, "add_row", None, ids(9))                 # a prompt read alone (fill)
