@@ -33,19 +33,20 @@ def connect(address: str | None, quiet: bool, num_cpus: int | None = None) -> bo
     if ray.is_initialized():
         return False
     common = dict(log_to_driver=not quiet, logging_level="WARNING")
+    if address is not None:
+        _check_listening(address)
+    connected = False
     try:
         if address is None:
             ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
                      object_store_memory=LOCAL_OBJECT_STORE_BYTES, **common)
         else:
-            _check_listening(address)
             ray.init(address=address, **common)
-    except BaseException:
-        # a start cut short (Ctrl-C) would leave the processes it had started running
+        connected = True
+    finally:
         _local_session = _session_dir() if address is None else None
-        disconnect(True)
-        raise
-    _local_session = _session_dir() if address is None else None
+        if not connected:  # a start cut short (Ctrl-C) would leave the processes it had started running
+            disconnect(True)
     return True
 
 
@@ -76,12 +77,17 @@ def disconnect(started: bool) -> None:
         _kill_stragglers(session)
 
 
+def _ray_node():
+    """Ray's object for the node this process started or joined (private to Ray, so every use is
+    guarded), or None."""
+    return getattr(ray._private.worker, "_global_node", None)
+
+
 def _session_dir() -> str | None:
     """The session directory of the local cluster this process is starting or runs, or None.
-    Ray's node object is private, so guarded; while ray.init is cut short it may not exist yet,
-    and then the newest session named after this process's pid is the one (Ray names it
+    While ray.init is cut short Ray's node object may not exist yet, and then the newest session named after this process's pid is the one (Ray names it
     session_<date>_<pid>)."""
-    node = getattr(ray._private.worker, "_global_node", None)
+    node = _ray_node()
     if node is not None and hasattr(node, "get_session_dir_path"):
         return node.get_session_dir_path()
     root = os.environ.get("RAY_TMPDIR", os.path.join(tempfile.gettempdir(), "ray"))
@@ -94,8 +100,7 @@ def _stop_autoscaler_monitor() -> None:
     # reporting to the stopped GCS until Ray kills it one second later (Ray 2.60: 1.0 of the 1.4 s
     # shutdown). A local cluster gives the monitor nothing to finish, so kill it first. Ray's node
     # object is private: where it is not there, shutdown just takes the second.
-    node = getattr(ray._private.worker, "_global_node", None)
-    for info in getattr(node, "all_processes", {}).get("monitor", []):
+    for info in getattr(_ray_node(), "all_processes", {}).get("monitor", []):
         if info.process.poll() is None:
             info.process.kill()
             info.process.wait(timeout=5)

@@ -101,7 +101,7 @@ def run_batch_on_ray(decoder_kwargs: dict, input_path: str, output_path: str, de
                     num_cpus=cpus_per_worker, batch_format="numpy")
                 first, last = math.inf, -math.inf
                 for batch in records.iter_batches(batch_size=None, batch_format="numpy"):
-                    first, last = min(first, *batch["started"]), max(last, *batch["ended"])
+                    first, last = min(first, batch["started"].min()), max(last, batch["ended"].max())
                     summary.decode_time_s = last - first
                     for text in batch["record"]:
                         write(json.loads(str(text)))
