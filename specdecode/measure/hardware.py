@@ -1,0 +1,68 @@
+"""What this CPU offers the matrix products a decoder runs on: torch's dispatch level, whether
+bfloat16 has a native fast path, and the instruction-set flags every benchmark prints.
+
+Machines differ from run to run (a cloud VM of another generation, an AVX2-only desktop), and a
+bfloat16 product of more than one row is several times slower without native bfloat16 (oneDNN
+needs AVX-512 or AMX for it; without them torch falls back to a scalar-converting loop). Every
+speed number is only comparable within one machine, so every report carries this one.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+# The flags that decide which kernels run (x86 and ARM names as /proc/cpuinfo spells them).
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
+                "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2", "bf16", "i8mm")
+# Environment variables that make this machine act as an older one (docs/hardware.md): they must
+# show in every report made under them.
+EMULATION_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and value.strip():
+                    name = value.strip()
+                elif key in ("flags", "Features"):
+                    flags.update(value.split())
+                if key == "" and flags:  # the first processor's block is enough
+                    break
+    except OSError:
+        pass
+    return name, flags
+
+
+def native_bfloat16() -> bool:
+    """Whether a bfloat16 matrix product of several rows has a native kernel here (oneDNN's
+    AVX-512-BF16 / AMX path on x86; it honours ONEDNN_MAX_CPU_ISA). CUDA devices are not asked."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def cpu_report() -> dict:
+    """{"cpu": model name, "capability": torch's CPU dispatch level (e.g. "AVX2", "AVX512"),
+    "native_bfloat16": bool, "flags": the KERNEL_FLAGS present, "threads": torch's intra-op
+    threads, "torch": version, "emulated": {variable: value} of EMULATION_VARIABLES that are set}."""
+    name, flags = _cpuinfo()
+    return {"cpu": name, "capability": torch.backends.cpu.get_cpu_capability(),
+            "native_bfloat16": native_bfloat16(), "flags": [f for f in KERNEL_FLAGS if f in flags],
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "emulated": {k: os.environ[k] for k in EMULATION_VARIABLES if os.environ.get(k)}}
+
+
+def describe(report: dict) -> str:
+    """One line for a benchmark header or a log: 'AMD EPYC, AVX512, native bfloat16, flags ...'."""
+    emulated = ", emulating " + " ".join(f"{k}={v}" for k, v in report["emulated"].items()) if report["emulated"] else ""
+    return (f"{report['cpu']}, torch capability {report['capability']}, "
+            f"{'native' if report['native_bfloat16'] else 'no native'} bfloat16, {report['threads']} threads, "
+            f"flags {' '.join(report['flags']) or 'none'}{emulated}")

@@ -1,0 +1,91 @@
+"""The configuration chooser (specdecode.measure.choice) on the cost tables of three machine
+classes: a CPU with native bfloat16, an AVX2-only CPU, and a GPU."""
+
+import pytest
+
+from specdecode.engine.cost import expected_tokens
+from specdecode.measure.choice import GAMMA_TOLERANCE, Choice, TargetCost, choose
+
+# The default pair on 2 cores of an AVX-512-BF16 CPU (bfloat16 and MKL float32 whole-model
+# timings; float32 with packed weights from docs/hardware.md's per-layer ratios).
+NATIVE_BF16 = {
+    "bfloat16": TargetCost(0.219, {2: 0.95, 5: 0.92, 9: 1.10, 17: 1.5}, 0.004),
+    "float32-packed": TargetCost(0.403, {2: 1.1, 5: 1.25, 9: 1.4, 17: 2.0}, 0.012),
+}
+NATIVE_BF16_DRAFTS = {"bfloat16": {"int4": 0.024, "int8": 0.035, "none": 0.057},
+                      "float32-packed": {"int4": 0.060, "none": 0.157}}
+# An AVX2-only CPU (no native bfloat16): a bfloat16 product of k rows costs about k/2 one-row
+# products (the 1536 → 8960 projection: 8.2, 9.3, 17.6, 32.6 ms for 1, 2, 5, 9 rows), float32
+# with packed weights about one row's up to 9 rows, and its one-row step is the faster one.
+AVX2 = {
+    "bfloat16": TargetCost(0.40, {2: 1.13, 5: 2.15, 9: 3.98, 17: 7.5}, 0.35),
+    "float32-packed": TargetCost(0.30, {2: 1.05, 5: 1.2, 9: 1.4, 17: 2.1}, 0.02),
+}
+AVX2_DRAFTS = {"bfloat16": {"int4": 0.05, "none": 0.13}, "float32-packed": {"int4": 0.06, "none": 0.10}}
+# A GPU: a verify of up to 17 tokens costs one step; the draft a fiftieth of one.
+GPU = {"bfloat16": TargetCost(0.020, {2: 1.0, 9: 1.0, 17: 1.02}, 0.0001)}
+GPU_DRAFTS = {"bfloat16": {"none": 0.0004}}
+
+
+def test_native_bfloat16_class_keeps_bfloat16_and_the_int4_draft_at_full_gamma():
+    choice = choose(NATIVE_BF16, NATIVE_BF16_DRAFTS)
+    assert (choice.target_kernel, choice.draft_kernel) == ("bfloat16", "int4") and choice.gamma >= 6
+    assert choice.speedup > 2.5
+
+
+def test_avx2_class_avoids_multi_row_bfloat16():
+    choice = choose(AVX2, AVX2_DRAFTS)
+    assert choice.target_kernel == "float32-packed"
+    assert choice.draft_kernel == "int4" and choice.gamma >= 4
+    assert choice.r < 1.5  # what a bfloat16 verify of that width would cost: several steps
+    assert AVX2["bfloat16"].ratio(choice.gamma + 1) > 2.5
+
+
+def test_a_class_where_only_bfloat16_steps_are_fast_decodes_plainly_rather_than_verify_slowly():
+    # one-row bfloat16 three times faster than float32, but a k-row bfloat16 call costs k rows:
+    # no draft pays for a verify that costs as much as the tokens it saves
+    table = {"bfloat16": TargetCost(0.10, {2: 2.0, 5: 5.0, 9: 9.0}, 0.1),
+             "float32-packed": TargetCost(0.30, {2: 1.05, 5: 1.2, 9: 1.4}, 0.02)}
+    drafts = {"bfloat16": {"int4": 0.03}, "float32-packed": {"int4": 0.02}}
+    choice = choose(table, drafts, alpha=0.7)
+    assert choice.draft_kernel is None and choice.gamma == 0 and choice.target_kernel == "bfloat16"
+    assert choice.speedup == 1.0
+    # ...and with a draft that is right often enough, float32 speculation beats it
+    assert choose(table, drafts, alpha=0.95).target_kernel == "float32-packed"
+
+
+def test_gpu_class_drafts_the_most_tokens():
+    choice = choose(GPU, GPU_DRAFTS, alpha=0.8, max_gamma=12)
+    assert choice.gamma == 12 and choice.draft_kernel == "none"
+
+
+def test_the_choice_is_the_best_kernel_pair_by_eq1_with_the_largest_gamma_near_its_best():
+    rates = {(kernel, draft, gamma): expected_tokens(0.75, gamma) / (cost.step_s * cost.ratio(gamma + 1)
+                                                                      + gamma * draft_s)
+             for kernel, cost in AVX2.items() for draft, draft_s in AVX2_DRAFTS[kernel].items()
+             for gamma in range(1, 9)}
+    choice = choose(AVX2, AVX2_DRAFTS, alpha=0.75)
+    kernel, draft, _ = max(rates, key=rates.get)
+    assert (choice.target_kernel, choice.draft_kernel) == (kernel, draft)
+    near = [g for (k, d, g), rate in rates.items()
+            if (k, d) == (kernel, draft) and rate >= (1 - GAMMA_TOLERANCE) * max(rates.values())]
+    assert choice.gamma == max(near) and choice.rate == pytest.approx(rates[kernel, draft, choice.gamma])
+    assert choice.rate >= choice.plain_rate
+
+
+def test_no_draft_costs_means_plain_decoding_with_the_fastest_kernel():
+    choice = choose(AVX2, {})
+    assert isinstance(choice, Choice) and choice.draft_kernel is None and choice.target_kernel == "float32-packed"
+    assert "plain decoding" in choice.describe()
+
+
+def test_ratio_interpolates_and_extrapolates():
+    cost = TargetCost(1.0, {3: 2.0, 5: 4.0}, 0.0)
+    assert cost.ratio(1) == 1.0 and cost.ratio(2) == 1.5 and cost.ratio(4) == 3.0 and cost.ratio(7) == 6.0
+
+
+@pytest.mark.parametrize("kwargs", [dict(targets={}), dict(alpha=1.0), dict(alpha=-0.1), dict(max_gamma=0)])
+def test_bad_arguments_raise(kwargs):
+    args = dict(targets=AVX2, drafts=AVX2_DRAFTS) | kwargs
+    with pytest.raises(ValueError):
+        choose(**args)
