@@ -15,10 +15,14 @@ import torch
 from specdecode.engine.driver import Driver
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import VERIFICATIONS, DecodeConfig, GenerationResult, Request, TokenEvent
+from specdecode.measure import autoconfig
+from specdecode.measure.choice import Choice
+from specdecode.measure.hardware import cpu_report, describe
 from specdecode.measure.timing import measure_costs
 from specdecode.models import HFCausalLM, Seq2SeqLM, zoo
 from specdecode.models.loading import (check_model_spec, check_same_tokenizer, eos_token_ids, load_model,
                                        parse_device, parse_dtype)
+from specdecode.models import packed
 from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
@@ -47,6 +51,9 @@ DEFAULT_DRAFT_QUANTIZATION = "int4"
 # temperature 1 it measured 2.59x against 2.61x (docs/bench_code_t1_20.md), within noise.
 DEFAULT_VERIFICATION = "token"
 QUANTIZATIONS = {"int8": 8, "int4": 4, "none": None}  # quantize_draft's kinds → bits
+# dtype="auto" times kernels for targets this large; below, a forward's fixed overhead hides the
+# dtype's kernels, and bfloat16 stays (as for tiny test models)
+AUTO_MIN_PARAMETERS = 100_000_000
 
 
 def _is_int(value) -> bool:
@@ -222,6 +229,15 @@ class SpeculativeDecoder:
         for spec in (target, draft):  # both checked before either is loaded
             if spec is not None:
                 check_model_spec(spec)
+        # dtype "auto" (None): timed on this machine, for models this process loads on the CPU
+        auto = dtype in (None, "auto") and device_map is None and self.device.type == "cpu" \
+            and not isinstance(target, torch.nn.Module)
+        self.choice: Choice | None = None
+        key = autoconfig.cache_key(str(target), None if draft is None else str(draft), num_speculative_tokens)
+        if auto:
+            self.choice = autoconfig.load_choice(key)
+            if self.choice is not None:
+                self.dtype = autoconfig.KERNEL_DTYPES[self.choice.target_kernel]
         self.target = self._load(target, tokenizer, progress, device_map=device_map, offload_folder=offload_folder)
         if device_map is not None:
             self.device = self.target.backend.device  # the draft runs where the target's tokens go in
@@ -240,6 +256,26 @@ class SpeculativeDecoder:
             self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, quantize_draft)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
             self._check_pair()
+        if auto and self.choice is None and not self.is_encoder_decoder \
+                and self.target.backend.model.num_parameters() >= AUTO_MIN_PARAMETERS:
+            self.choice = autoconfig.measure_and_choose(
+                self.target.backend.model, self.draft.backend.model if self.draft is not None else None,
+                draft_vocab_limit, num_speculative_tokens, progress)
+            autoconfig.save_choice(key, self.choice)
+            if autoconfig.KERNEL_DTYPES[self.choice.target_kernel] != self.dtype:  # load the chosen dtype
+                self.dtype = autoconfig.KERNEL_DTYPES[self.choice.target_kernel]
+                self.target = self._load(target, tokenizer, progress)
+                self.tokenizer = self.target.tokenizer
+                if draft is not None:
+                    self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit,
+                                            quantize_draft)
+        if self.choice is not None:
+            if self.choice.target_kernel == "float32-packed":
+                packed.pack_linears(self.target.backend.model, num_speculative_tokens + 1)
+            if self.draft is not None:
+                self.num_speculative_tokens = num_speculative_tokens = max(1, self.choice.gamma)
+            if progress:
+                progress(f"chose for this machine ({describe(cpu_report())}): {self.choice.describe()}")
         if tree_width > 1 and getattr(self.target.backend, "sliding", False):
             raise ValueError(f"target {self.target.name!r} uses sliding-window attention; token trees "
                              "(tree_width > 1) need full attention")
@@ -359,8 +395,8 @@ class SpeculativeDecoder:
         it), tree_width the configured one (the benchmark compares them)."""
         draft_backend = draft_backend or (self.draft.backend if self.draft is not None else None)
         width = self.tree_width if tree_width is None else tree_width
-        proposer = DraftModelProposer(draft_backend, self.draft_confidence, width, self.tree_confidence) \
-            if draft_backend is not None else None
+        proposer = DraftModelProposer(draft_backend, self.draft_confidence, width, self.tree_confidence,
+                                      defer_prompt_read=True) if draft_backend is not None else None
         if self.prompt_lookup:
             proposer = PromptLookupProposer(self.target.backend.vocab_size, fallback=proposer)
         return proposer
