@@ -233,11 +233,14 @@ class SpeculativeDecoder:
         auto = dtype in (None, "auto") and device_map is None and self.device.type == "cpu" \
             and not isinstance(target, torch.nn.Module)
         self.choice: Choice | None = None
-        key = autoconfig.cache_key(str(target), None if draft is None else str(draft), num_speculative_tokens)
+        draft_kind = quantize_draft
         if auto:
+            key = autoconfig.cache_key(str(target), None if draft is None else str(draft), num_speculative_tokens)
             self.choice = autoconfig.load_choice(key)
-            if self.choice is not None:
+            if self.choice is not None:  # measured before: load what was chosen
                 self.dtype = autoconfig.KERNEL_DTYPES[self.choice.target_kernel]
+                if quantize_draft is None and self.choice.draft_kernel is not None:
+                    draft_kind = self.choice.draft_kernel
         self.target = self._load(target, tokenizer, progress, device_map=device_map, offload_folder=offload_folder)
         if device_map is not None:
             self.device = self.target.backend.device  # the draft runs where the target's tokens go in
@@ -253,22 +256,33 @@ class SpeculativeDecoder:
         if self.is_encoder_decoder and tree_width > 1:
             raise ValueError("token trees (tree_width > 1) need a decoder-only target")
         if draft is not None:
-            self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, quantize_draft)
+            self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, draft_kind)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
             self._check_pair()
         if auto and self.choice is None and not self.is_encoder_decoder \
                 and self.target.backend.model.num_parameters() >= AUTO_MIN_PARAMETERS:
-            self.choice = autoconfig.measure_and_choose(
-                self.target.backend.model, self.draft.backend.model if self.draft is not None else None,
-                draft_vocab_limit, num_speculative_tokens, progress)
+            drafts = {}
+            if self.draft is not None:
+                drafts[autoconfig.draft_kernel(self.draft.backend.model)] = self.draft.backend.model
+                for kind in QUANTIZATIONS if quantize_draft is None and not isinstance(draft, torch.nn.Module) else ():
+                    if kind not in drafts:  # the other kernels the default would allow
+                        drafts[kind] = self._load(draft, self.tokenizer, None, draft_vocab_limit, kind).backend.model
+            self.choice = autoconfig.measure_and_choose(self.target.backend.model, drafts, draft_vocab_limit,
+                                                        num_speculative_tokens, progress)
+            del drafts
             autoconfig.save_choice(key, self.choice)
             if autoconfig.KERNEL_DTYPES[self.choice.target_kernel] != self.dtype:  # load the chosen dtype
                 self.dtype = autoconfig.KERNEL_DTYPES[self.choice.target_kernel]
                 self.target = self._load(target, tokenizer, progress)
                 self.tokenizer = self.target.tokenizer
-                if draft is not None:
-                    self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit,
-                                            quantize_draft)
+                self.draft = None
+        wanted = self.choice.draft_kernel if self.choice is not None else None
+        if draft is not None and (self.draft is None or (
+                wanted is not None and autoconfig.draft_kernel(self.draft.backend.model) != wanted)):
+            # the chosen kernel (or, where plain decoding measured fastest, the draft as asked:
+            # the guard then pauses drafting while it does not pay)
+            self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit,
+                                    wanted or quantize_draft)
         if self.choice is not None:
             if self.choice.target_kernel == "float32-packed":
                 packed.pack_linears(self.target.backend.model, num_speculative_tokens + 1)
@@ -288,6 +302,18 @@ class SpeculativeDecoder:
         self.engine = Engine(self.target.backend, self._proposer(), self.tokenizer, max_batch_size,
                              batch_guard=self.guard_costs is not None)
         self._driver = Driver(self.engine)
+
+    def configuration(self) -> dict:
+        """What runs, for reports (`generate --json`, the server's /v1/models, `bench`): {"dtype":
+        the target's dtype, "target_kernel", "num_speculative_tokens": γ_max, "machine": this CPU
+        (specdecode.measure.hardware.cpu_report), "choice": why dtype="auto" chose it (None when
+        the dtype was given, the target was a model object, or it was too small to time)}."""
+        choice = self.choice
+        return {"dtype": str(self.dtype).removeprefix("torch."),
+                "target_kernel": choice.target_kernel if choice else str(self.dtype).removeprefix("torch."),
+                "num_speculative_tokens": self.num_speculative_tokens if self.draft is not None else 0,
+                "machine": cpu_report(),
+                "choice": None if choice is None else {"summary": choice.describe(), "measured": list(choice.notes)}}
 
     def _check_quantize_device(self, quantize_draft) -> None:
         if self.device.type != "cpu" and quantize_draft not in (None, False, "none"):

@@ -69,9 +69,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="pause drafting while the acceptances say it does not pay (paper Cor. 3.9: "
                              "only if α > c, with c measured once at load), probing again every 16 steps; exact "
                              "and reproducible either way (default: on)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
-                        help="weights and activations dtype; bfloat16 (default) is fastest on CPU, float32 for "
-                             "bit-exact comparisons")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                        help="weights and activations dtype. auto (default): on the CPU, time bfloat16 and float32 "
+                             "(with packed weights) on this machine once, and run the faster configuration (one line "
+                             "says which; cached per machine and model pair); float32 for bit-exact comparisons")
     parser.add_argument("--device-map", default=None, choices=["auto", "balanced", "balanced_low_0", "sequential"],
                         help="spread a target too big for one device over the GPUs (and the CPU) with transformers' "
                              "device_map; the draft runs on the target's first device (default: off)")

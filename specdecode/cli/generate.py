@@ -99,9 +99,10 @@ def run(args, parser) -> int:
     except (ValueError, FileNotFoundError, ImportError) as err:
         return error(err)
     batch = isinstance(prompt, list)
+    configuration = decoder.configuration() if args.json else None
     for index, result in enumerate(results):
         if args.json:
-            record = ({"index": index} if batch else {}) | result.to_dict()
+            record = ({"index": index} if batch else {}) | result.to_dict() | {"configuration": configuration}
             sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")  # one write: no half line
         elif batch:
             print(f"===== prompt {index + 1}/{len(results)} =====\n{result.text}")

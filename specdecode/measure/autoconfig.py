@@ -3,11 +3,9 @@ choose by Eq. 1 with the measured r(k) (specdecode.measure.choice), and cache th
 machine, model pair and library version so that a second start measures nothing.
 
 Candidates on a CPU: the target in bfloat16 (torch's kernels) and in float32 with oneDNN-packed
-weights (specdecode.models.packed); the draft in the same dtype, its layers as prepared (int4 by
-default). They are timed
-on copies of the models the decoder already loaded in bfloat16 (a float32 copy for the float32
-candidate: timing depends on the kernels, not on the weights' last bits), a few forwards each,
-interleaved.
+weights (specdecode.models.packed); the draft in the same dtype with each of its kernels (int4,
+int8, its float weights; only the one asked for when quantize_draft was given). They are timed on
+models loaded in bfloat16 and float32 copies of them, a few forwards each, round by round in turn.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import torch
 
 from specdecode.measure.choice import Choice, TargetCost, choose
 from specdecode.measure.hardware import cpu_report
-from specdecode.measure.timing import time_forwards
+from specdecode.measure.timing import time_interleaved
 from specdecode.models import packed
 from specdecode.models.hf import HFCausalLM
 
@@ -76,12 +74,6 @@ def save_choice(key: str, choice: Choice) -> None:
         pass
 
 
-def _target_cost(model, context: list[int]) -> TargetCost:
-    times = time_forwards(HFCausalLM(model), context, list(SIZES), repeats=3)
-    step = times[1]
-    return TargetCost(step, {k: times[k] / step for k in SIZES if k > 1}, times[max(SIZES)] / max(SIZES))
-
-
 def draft_kernel(model) -> str:
     """"int4", "int8" or "none": the draft's linear layers as prepared (models/quant.py)."""
     from specdecode.models.quant import Int4Linear, Int8Linear
@@ -90,45 +82,48 @@ def draft_kernel(model) -> str:
     return "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else "none"
 
 
-def _draft_step(model, vocab_limit: int | None, context: list[int]) -> float:
-    return time_forwards(HFCausalLM(model, vocab_limit, lean=True), context, [1], repeats=5)[1]
-
-
-def measure_and_choose(target_model, draft_model, draft_vocab_limit: int | None, max_gamma: int,
+def measure_and_choose(target_model, drafts: dict, draft_vocab_limit: int | None, max_gamma: int,
                        progress: Callable[[str], None] | None = None) -> Choice:
-    """Time each candidate kernel of this pair (models loaded in bfloat16 on the CPU, the draft
-    already prepared with its int4 layers) and return the Choice. The models are not changed:
-    the float32 candidates are timed on copies, which are freed before returning.
+    """Time each candidate of this pair and return the Choice.
 
+    Args:
+        target_model: the target, loaded in bfloat16 on the CPU.
+        drafts: {draft kernel ("int4", "int8", "none"): the draft prepared that way, in bfloat16};
+            empty for no draft.
+        draft_vocab_limit, max_gamma: as the decoder's.
+    The models are not changed: the float32 candidates are float32 copies (timing depends on the
+    kernels, not on the weights' last bits), freed before returning.
     Raises:
         ValueError: models that are not bfloat16 on the CPU.
     """
-    for model in (target_model, draft_model):
-        if model is not None and (next(model.parameters()).dtype != torch.bfloat16
-                                  or next(model.parameters()).device.type != "cpu"):
+    for model in (target_model, *drafts.values()):
+        if next(model.parameters()).dtype != torch.bfloat16 or next(model.parameters()).device.type != "cpu":
             raise ValueError("measure_and_choose times bfloat16 CPU models")
     if progress:
-        progress("timing this machine's kernels for the target and the draft (once per machine; cached)")
+        progress("timing this machine's kernels for the target and the draft (once per machine and pair; cached)")
     vocab = target_model.get_input_embeddings().num_embeddings
-    context = [(i * 7919) % min(vocab, 30000) + 100 for i in range(64)]
-    targets, drafts = {}, {}
+    context = [(100 + i * 7919) % min(vocab, 30000) for i in range(64)]  # a spread of ordinary ids
+    models = {("bfloat16", None): target_model,
+              **{("bfloat16", kind): model for kind, model in drafts.items()}}
+    if packed.available():
+        copy32 = copy.deepcopy(target_model).float()
+        packed.pack_linears(copy32, max_gamma + 1)
+        models["float32-packed", None] = copy32
+        models.update({("float32-packed", kind): copy.deepcopy(model).float() for kind, model in drafts.items()})
+    backends = {key: HFCausalLM(model) if key[1] is None else HFCausalLM(model, draft_vocab_limit, lean=True)
+                for key, model in models.items()}
     with torch.inference_mode():
-        targets["bfloat16"] = _target_cost(target_model, context)
-        if draft_model is not None:
-            kind = draft_kernel(draft_model)
-            drafts["bfloat16"] = {kind: _draft_step(draft_model, draft_vocab_limit, context)}
-        if packed.available():
-            copy32 = copy.deepcopy(target_model).float()
-            packed.pack_linears(copy32)
-            targets["float32-packed"] = _target_cost(copy32, context)
-            del copy32
-            if draft_model is not None:
-                draft32 = copy.deepcopy(draft_model).float()
-                drafts["float32-packed"] = {kind: _draft_step(draft32, draft_vocab_limit, context)}
-                del draft32
-    choice = choose(targets, drafts, max_gamma=max_gamma)
-    notes = tuple(f"{name}: step {1e3 * cost.step_s:.0f} ms, r(9) {cost.ratio(9):.2f}, "
+        times = time_interleaved(backends, context, {key: SIZES if key[1] is None else (1,) for key in backends})
+    del models, backends
+    targets = {kernel: TargetCost(t[1], {k: t[k] / t[1] for k in SIZES if k > 1}, t[max(SIZES)] / max(SIZES))
+               for (kernel, draft), t in times.items() if draft is None}
+    draft_steps = {}
+    for (kernel, draft), t in times.items():
+        if draft is not None:
+            draft_steps.setdefault(kernel, {})[draft] = t[1]
+    choice = choose(targets, draft_steps, max_gamma=max_gamma)
+    notes = tuple(f"{kernel}: step {1e3 * cost.step_s:.0f} ms, r(9) {cost.ratio(9):.2f}, "
                   f"prompt read {1e3 * cost.read_s_per_token:.1f} ms/token"
-                  + "".join(f", {kind} draft step {1e3 * s:.0f} ms" for kind, s in drafts.get(name, {}).items())
-                  for name, cost in targets.items())
+                  + "".join(f", {kind} draft step {1e3 * s:.0f} ms" for kind, s in draft_steps.get(kernel, {}).items())
+                  for kernel, cost in targets.items())
     return Choice(**{**asdict(choice), "notes": notes})

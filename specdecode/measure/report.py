@@ -5,27 +5,21 @@ from __future__ import annotations
 
 import json
 import platform
-import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration, subprocess.SubprocessError):
-        return platform.processor() or "unknown"
+from specdecode.measure.hardware import cpu_report, describe
 
 
 def environment(**extra) -> dict:
-    """Date (UTC), machine, thread count, versions, the command line, and `extra`."""
+    """Date (UTC), machine (its CPU class: torch's capability, native bfloat16 or not, the kernel
+    flags), thread count, versions, the command line, and `extra`."""
     import transformers
 
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": cpu_name(),
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": describe(cpu_report()),
             "threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "command": "specdecode " + " ".join(sys.argv[1:]), **extra}

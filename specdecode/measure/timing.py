@@ -43,6 +43,27 @@ def time_forwards(backend, context: list[int], sizes: list[int], repeats: int = 
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def time_interleaved(backends: dict, context: list[int], sizes: dict, repeats: int = 3) -> dict[str, dict[int, float]]:
+    """{name: {k: median seconds of one call appending k tokens}} for several backends, timed
+    round by round in turn (each round every backend, every size of its own), so that a slow
+    spell of the machine hits every candidate alike rather than the one being timed then.
+
+    Args:
+        backends: {name: backend} (each left empty).  sizes: {name: the k to time for it}.
+    """
+    timers = {name: _timer(backend, context, None) for name, backend in backends.items()}
+    times = {name: {k: [] for k in sizes[name]} for name in backends}
+    for round_ in range(repeats + 1):
+        for name, once in timers.items():
+            for k in sizes[name]:
+                seconds = once(k)
+                if round_:  # the first round warms up
+                    times[name][k].append(seconds)
+    for backend in backends.values():
+        backend.reset()
+    return {name: {k: statistics.median(v) for k, v in by_k.items()} for name, by_k in times.items()}
+
+
 def measure_costs(target, draft, context: list[int], sizes: list[int] = (1,), repeats: int = 7,
                   encoder_input_ids: list[int] | None = None) -> dict:
     """{"target_step_s", "r": {k: r(k) for k in sizes}, and with a draft "draft_step_s", "c"} at

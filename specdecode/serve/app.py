@@ -86,7 +86,8 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
     async def page():
         return resources.files("specdecode.serve").joinpath("static/index.html").read_text("utf-8")
 
-    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "specdecode"}
+    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "specdecode",
+                  "specdecode": decoder.configuration()}
 
     @app.get("/v1/models")
     async def models(http: HttpRequest):

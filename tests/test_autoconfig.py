@@ -1,0 +1,104 @@
+"""dtype="auto": what is timed, what is chosen and cached, and what is never changed. Tiny models
+(AUTO_MIN_PARAMETERS lowered so that they are timed); the choice's logic itself is in
+test_choice.py."""
+
+import pytest
+import torch
+
+import specdecode.api as api
+from specdecode import SamplingParams, SpeculativeDecoder
+from specdecode.measure import autoconfig
+from specdecode.measure.choice import Choice
+from specdecode.models import packed
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def timed_when_tiny(monkeypatch):
+    monkeypatch.setattr(api, "AUTO_MIN_PARAMETERS", 0)
+
+
+def _cached(model_dirs, choice: Choice, gamma: int = 8) -> None:
+    autoconfig.save_choice(autoconfig.cache_key(model_dirs["target"], model_dirs["draft"], gamma), choice)
+
+
+def test_auto_times_the_pair_once_and_a_second_start_reuses_the_choice(model_dirs, cache, timed_when_tiny,
+                                                                       monkeypatch):
+    lines = []
+    first = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], progress=lines.append)
+    assert first.choice is not None and first.choice.notes  # what was measured, per target kernel
+    assert any(line.startswith("chose for this machine") and "torch capability" in line for line in lines)
+    assert list((cache / "choices").glob("*.json"))
+    kernels = {"int4", "int8", "none"}  # every draft kernel the default allows was timed
+    assert all(any(f", {k} draft step" in note for note in first.choice.notes) for k in kernels)
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(autoconfig, "measure_and_choose", no_measuring)
+    second = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
+    assert second.choice == first.choice and second.dtype == first.dtype
+    configuration = second.configuration()
+    assert configuration["dtype"] == str(second.dtype).removeprefix("torch.")
+    assert configuration["machine"]["capability"] == torch.backends.cpu.get_cpu_capability()
+    assert configuration["choice"]["summary"] == first.choice.describe()
+
+
+@pytest.mark.skipif(not packed.available(), reason="this torch build has no oneDNN packed linear")
+def test_a_float32_choice_loads_float32_with_packed_linears_and_greedy_equals_plain_float32(
+        model_dirs, cache, timed_when_tiny):
+    _cached(model_dirs, Choice("float32-packed", "int4", 3, 10.0, 5.0))
+    decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
+    assert decoder.dtype == torch.float32 and decoder.num_speculative_tokens == 3
+    assert any(isinstance(m, packed.PackedLinear) for m in decoder.target.backend.model.modules())
+    assert decoder.configuration()["target_kernel"] == "float32-packed"
+    plain = SpeculativeDecoder(model_dirs["target"], None, dtype="float32")
+    for prompt in ("abcab", "hgfe d", "a"):
+        got = decoder.generate(prompt, max_new_tokens=24, sampling=GREEDY)
+        assert got.token_ids == plain.generate(prompt, max_new_tokens=24, sampling=GREEDY).token_ids
+        assert got.stats.num_drafted > 0
+
+
+def test_a_cached_plain_choice_still_loads_the_draft_the_user_asked_for(model_dirs, cache, timed_when_tiny):
+    _cached(model_dirs, Choice("bfloat16", None, 0, 5.0, 5.0))
+    decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
+    assert decoder.draft is not None and decoder.num_speculative_tokens == 1 and decoder.dtype == torch.bfloat16
+
+
+def test_an_explicit_dtype_is_honoured_and_nothing_is_timed(model_dirs, cache, timed_when_tiny, monkeypatch):
+    monkeypatch.setattr(autoconfig, "measure_and_choose", lambda *a, **k: pytest.fail("timed an explicit dtype"))
+    decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float32")
+    assert decoder.dtype == torch.float32 and decoder.choice is None
+    assert decoder.configuration()["choice"] is None
+    assert not any(isinstance(m, packed.PackedLinear) for m in decoder.target.backend.model.modules())
+
+
+def test_a_model_object_is_never_changed_by_auto(model_dirs, char_tokenizer, cache, timed_when_tiny, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(autoconfig, "measure_and_choose", lambda *a, **k: pytest.fail("timed a model object"))
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"])
+    decoder = SpeculativeDecoder(model, None, tokenizer=char_tokenizer)
+    assert decoder.choice is None and all(type(m) is not packed.PackedLinear for m in model.modules())
+    assert next(model.parameters()).dtype == torch.float32
+
+
+def test_small_models_keep_bfloat16_without_timing(model_dirs, cache, monkeypatch):
+    monkeypatch.setattr(autoconfig, "measure_and_choose", lambda *a, **k: pytest.fail("timed a tiny model"))
+    decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
+    assert decoder.dtype == torch.bfloat16 and decoder.choice is None
+
+
+def test_an_unreadable_cache_file_is_measured_again(model_dirs, cache, timed_when_tiny):
+    key = autoconfig.cache_key(model_dirs["target"], model_dirs["draft"], 8)
+    autoconfig.cache_path(key).parent.mkdir(parents=True)
+    autoconfig.cache_path(key).write_text("{not json")
+    assert autoconfig.load_choice(key) is None
+    assert SpeculativeDecoder(model_dirs["target"], model_dirs["draft"]).choice is not None
+    assert autoconfig.load_choice(key) is not None
