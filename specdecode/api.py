@@ -286,6 +286,10 @@ class SpeculativeDecoder:
         if self.choice is not None:
             if self.choice.target_kernel == "float32-packed":
                 packed.pack_linears(self.target.backend.model, num_speculative_tokens + 1)
+            if self.choice.target_kernel in autoconfig.ONE_ROW_WITHOUT_ONEDNN:
+                for loaded in (self.target, self.draft):
+                    if loaded is not None:
+                        loaded.backend.one_row_onednn = False
             if self.draft is not None:
                 self.num_speculative_tokens = num_speculative_tokens = max(1, self.choice.gamma)
             if progress:

@@ -65,6 +65,14 @@ def test_a_float32_choice_loads_float32_with_packed_linears_and_greedy_equals_pl
         assert got.stats.num_drafted > 0
 
 
+def test_a_gemv_choice_runs_one_row_calls_of_both_models_without_onednn(model_dirs, cache, timed_when_tiny):
+    _cached(model_dirs, Choice("bfloat16-gemv", "int4", 6, 10.0, 5.0))
+    decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
+    assert decoder.dtype == torch.bfloat16 and decoder.num_speculative_tokens == 6
+    assert not decoder.target.backend.one_row_onednn and not decoder.draft.backend.one_row_onednn
+    assert decoder.generate("abcab", max_new_tokens=12, sampling=GREEDY).stats.num_drafted > 0
+
+
 def test_a_cached_plain_choice_still_loads_the_draft_the_user_asked_for(model_dirs, cache, timed_when_tiny):
     _cached(model_dirs, Choice("bfloat16", None, 0, 5.0, 5.0))
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])

@@ -63,3 +63,16 @@ def test_speculative_greedy_with_a_packed_target_equals_plain_greedy():
 def test_pack_linears_refuses_a_bfloat16_model():
     with pytest.raises(ValueError, match="float32"):
         packed.pack_linears(tiny_llama(1).to(torch.bfloat16))
+
+
+def test_one_row_calls_without_onednn_give_the_bfloat16_logits_and_leave_onednn_on():
+    model = tiny_llama(7, hidden=64).to(torch.bfloat16)
+    default, gemv = HFCausalLM(model), HFCausalLM(model)
+    gemv.one_row_onednn = False
+    for backend in (default, gemv):
+        backend.reset()
+        backend.add_row()
+        backend.forward([PROMPT], 1)
+    one, other = default.forward([[9]], 1), gemv.forward([[9]], 1)
+    assert torch.allclose(one, other, atol=0.05, rtol=0.02)  # bfloat16 rounding of another kernel
+    assert torch._C._get_mkldnn_enabled()  # switched back after the call

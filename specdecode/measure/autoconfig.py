@@ -2,8 +2,9 @@
 choose by Eq. 1 with the measured r(k) (specdecode.measure.choice), and cache the result per
 machine, model pair and library version so that a second start measures nothing.
 
-Candidates on a CPU: the target in bfloat16 (torch's kernels) and in float32 with oneDNN-packed
-weights (specdecode.models.packed); the draft in the same dtype with each of its kernels (int4,
+Candidates on a CPU: the target in bfloat16 (torch's kernels; and with one-row calls on torch's
+own matrix-vector kernels instead of oneDNN's) and in float32 with oneDNN-packed weights
+(specdecode.models.packed); the draft in the same dtype with each of its kernels (int4,
 int8, its float weights; only the one asked for when quantize_draft was given). They are timed on
 models loaded in bfloat16 and float32 copies of them, a few forwards each, round by round in turn.
 """
@@ -30,7 +31,11 @@ from specdecode.models.hf import HFCausalLM
 # k of the timed calls: a plain step, verifies of γ+1 up to 17 and a prompt read of 64 tokens
 SIZES = (1, 2, 5, 9, 17, 64)
 CACHE_VERSION = 1
-KERNEL_DTYPES = {"bfloat16": torch.bfloat16, "float32-packed": torch.float32}
+# target kernels: bfloat16 as torch runs it; bfloat16 whose one-row calls skip oneDNN for
+# torch's own matrix-vector kernels (HFCausalLM.one_row_onednn = False, on the draft as well);
+# float32 with packed weights
+KERNEL_DTYPES = {"bfloat16": torch.bfloat16, "bfloat16-gemv": torch.bfloat16, "float32-packed": torch.float32}
+ONE_ROW_WITHOUT_ONEDNN = {"bfloat16-gemv"}
 
 
 def cache_key(target_name: str, draft_name: str | None, max_gamma: int) -> str:
@@ -112,9 +117,18 @@ def measure_and_choose(target_model, drafts: dict, draft_vocab_limit: int | None
         models.update({("float32-packed", kind): copy.deepcopy(model).float() for kind, model in drafts.items()})
     backends = {key: HFCausalLM(model) if key[1] is None else HFCausalLM(model, draft_vocab_limit, lean=True)
                 for key, model in models.items()}
+    sizes = {key: SIZES if key[1] is None else (1,) for key in backends}
+    for (kernel, draft), model in list(models.items()):  # the gemv variant: one-row calls only
+        if kernel == "bfloat16":
+            backends["bfloat16-gemv", draft] = backend = HFCausalLM(model) if draft is None \
+                else HFCausalLM(model, draft_vocab_limit, lean=True)
+            backend.one_row_onednn = False
+            sizes["bfloat16-gemv", draft] = (1,)
     with torch.inference_mode():
-        times = time_interleaved(backends, context, {key: SIZES if key[1] is None else (1,) for key in backends})
+        times = time_interleaved(backends, context, sizes)
     del models, backends
+    # the gemv variant's multi-row calls are bfloat16's own
+    times["bfloat16-gemv", None] = {**times["bfloat16", None], 1: times["bfloat16-gemv", None][1]}
     targets = {kernel: TargetCost(t[1], {k: t[k] / t[1] for k in SIZES if k > 1}, t[max(SIZES)] / max(SIZES))
                for (kernel, draft), t in times.items() if draft is None}
     draft_steps = {}

@@ -22,6 +22,8 @@ NaN, and a NaN value vector poisons every query that multiplies it, even with we
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from specdecode.models import lean as lean_decoder
@@ -32,6 +34,18 @@ from specdecode.models.quant import QUANTIZED_LINEAR
 # attention cost.
 COMPACT_MIN_DEAD = 64
 COMPACT_RATIO = 1.0
+
+
+@contextlib.contextmanager
+def _without_onednn():
+    """torch's own CPU kernels for the calls inside (oneDNN is a process-wide switch; the engine
+    runs its forwards on one thread)."""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 def limited_head(model, vocab_limit: int | None):
@@ -83,6 +97,11 @@ class HFCausalLM:
         max_rows: 1 for sliding-window models, else None (no limit).
         device: where the input embeddings are (the first device of a model spread over several
             with a device_map); every tensor it makes goes there, the logits too.
+        one_row_onednn: False runs a call of one row and one token (a plain step, a draft step
+            alone) without oneDNN, on torch's own matrix-vector kernels: the same bfloat16
+            arithmetic (float32 accumulation), and on some CPUs the faster one (AVX-512-BF16
+            Zen 4: a target step 197 against 281 ms, docs/hardware.md). True (default) leaves
+            torch's choice; dtype="auto" times both (specdecode.measure.autoconfig).
     Raises:
         ValueError: vocab_limit on a model whose LM head is not a plain linear layer.
     """
@@ -100,6 +119,7 @@ class HFCausalLM:
         self.max_rows = 1 if self.sliding else None
         self.device = model.get_input_embeddings().weight.device
         self.compact_min_dead, self.compact_ratio = compact_min_dead, compact_ratio
+        self.one_row_onednn = True
         # a draft's forward without transformers' per-module overhead (models/lean.py), where it
         # reproduces the model; a target keeps transformers' own
         self._lean = lean_decoder.LeanDecoder(model) if lean and not self.sliding and lean_decoder.supports(model) \
@@ -245,16 +265,17 @@ class HFCausalLM:
             tree_blocks = self._tree_blocks(trees, [len(f) for f in feeds], positions, width)
         # Dense rows (one row always is) need no mask: the model's own causal path.
         mask = None if bool(valid.all()) and trees is None else self._mask(valid, width, tree_blocks)
-        if self._lean is not None:
-            hidden = self._lean(tokens, mask, positions, self.cache)
-            logits = (self._head or self.model.get_output_embeddings())(hidden[:, -num_logits:])
-        elif self._head is not None:
-            hidden = self.model.get_decoder()(input_ids=tokens, attention_mask=mask, position_ids=positions,
-                                              cache=self.cache, use_cache=True).last_hidden_state
-            logits = self._head(hidden[:, -num_logits:])
-        else:
-            logits = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
-                                use_cache=True, logits_to_keep=num_logits).logits
+        with _without_onednn() if batch * width == 1 and not self.one_row_onednn else contextlib.nullcontext():
+            if self._lean is not None:
+                hidden = self._lean(tokens, mask, positions, self.cache)
+                logits = (self._head or self.model.get_output_embeddings())(hidden[:, -num_logits:])
+            elif self._head is not None:
+                hidden = self.model.get_decoder()(input_ids=tokens, attention_mask=mask, position_ids=positions,
+                                                  cache=self.cache, use_cache=True).last_hidden_state
+                logits = self._head(hidden[:, -num_logits:])
+            else:
+                logits = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
+                                    use_cache=True, logits_to_keep=num_logits).logits
         if trees is not None:
             first = self.num_slots + width  # slot index of each tree's first node, from its end
             self._trees = [None if t is None else (first - len(t), list(t)) for t in trees]
