@@ -47,11 +47,23 @@ def test_a_class_where_only_bfloat16_steps_are_fast_decodes_plainly_rather_than_
     table = {"bfloat16": TargetCost(0.10, {2: 2.0, 5: 5.0, 9: 9.0}, 0.1),
              "float32-packed": TargetCost(0.30, {2: 1.05, 5: 1.2, 9: 1.4}, 0.02)}
     drafts = {"bfloat16": {"int4": 0.03}, "float32-packed": {"int4": 0.02}}
-    choice = choose(table, drafts, alpha=0.7)
+    choice = choose(table, drafts, alpha=0.7, prompt_tokens=0)
     assert choice.draft_kernel is None and choice.gamma == 0 and choice.target_kernel == "bfloat16"
     assert choice.speedup == 1.0
     # ...and with a draft that is right often enough, float32 speculation beats it
-    assert choose(table, drafts, alpha=0.95).target_kernel == "float32-packed"
+    assert choose(table, drafts, alpha=0.95, prompt_tokens=0).target_kernel == "float32-packed"
+
+
+def test_a_slow_prompt_read_weighs_against_a_kernel_with_fast_steps():
+    # bfloat16 without native support: the fastest one-row steps, but an 82 ms/token prompt read
+    table = {"bfloat16": TargetCost(0.146, {2: 1.5, 5: 3.1, 9: 5.7}, 0.082),
+             "float32-packed": TargetCost(0.300, {2: 1.1, 5: 1.3, 9: 1.5}, 0.022)}
+    drafts = {"bfloat16": {"int4": 0.02}, "float32-packed": {"int4": 0.03}}
+    assert choose(table, drafts, prompt_tokens=0).target_kernel == "bfloat16"
+    long_prompt = choose(table, drafts, prompt_tokens=2000)
+    assert long_prompt.target_kernel == "float32-packed"
+    plain_bf16 = 128 / (2000 * 0.082 + 128 * 0.146)  # tokens/s of the request, prompt read included
+    assert long_prompt.rate > plain_bf16 and long_prompt.plain_rate >= plain_bf16
 
 
 def test_gpu_class_drafts_the_most_tokens():
@@ -64,7 +76,7 @@ def test_the_choice_is_the_best_kernel_pair_by_eq1_with_the_largest_gamma_near_i
                                                                       + gamma * draft_s)
              for kernel, cost in AVX2.items() for draft, draft_s in AVX2_DRAFTS[kernel].items()
              for gamma in range(1, 9)}
-    choice = choose(AVX2, AVX2_DRAFTS, alpha=0.75)
+    choice = choose(AVX2, AVX2_DRAFTS, alpha=0.75, prompt_tokens=0)  # decoding alone: Eq. 1's rates
     kernel, draft, _ = max(rates, key=rates.get)
     assert (choice.target_kernel, choice.draft_kernel) == (kernel, draft)
     near = [g for (k, d, g), rate in rates.items()
@@ -84,7 +96,8 @@ def test_ratio_interpolates_and_extrapolates():
     assert cost.ratio(1) == 1.0 and cost.ratio(2) == 1.5 and cost.ratio(4) == 3.0 and cost.ratio(7) == 6.0
 
 
-@pytest.mark.parametrize("kwargs", [dict(targets={}), dict(alpha=1.0), dict(alpha=-0.1), dict(max_gamma=0)])
+@pytest.mark.parametrize("kwargs", [dict(targets={}), dict(alpha=1.0), dict(alpha=-0.1), dict(max_gamma=0),
+                                    dict(prompt_tokens=-1), dict(new_tokens=0)])
 def test_bad_arguments_raise(kwargs):
     args = dict(targets=AVX2, drafts=AVX2_DRAFTS) | kwargs
     with pytest.raises(ValueError):

@@ -4,15 +4,16 @@ verify cost), not from the machine the defaults were tuned on.
 The paper's speedup (1 − α^{γ+1}) / ((1 − α)(γc + 1)) assumes that scoring γ+1 tokens costs one
 target step (§3.3). On a CPU that holds only where the multi-row product has a fast kernel: with
 native bfloat16 (AVX-512-BF16, AMX) a 9-token verify costs about one step, without it (AVX2-only
-x86: AMD Zen 2/3, Intel before Sapphire Rapids) about four, and float32 with packed weights about
-1.4 (docs/hardware.md). So each candidate target kernel is timed for its one-token step T and its
-k-token cost r(k)·T, each draft kernel for its step D, and the chooser maximizes the expected
-tokens per second
+x86: AMD Zen 2/3, Intel before Sapphire Rapids) four to six, and float32 with packed weights about
+1.4 (docs/hardware.md). So each candidate target kernel is timed for its one-token step T, its
+k-token cost r(k)·T and its prompt read per token R, each draft kernel for its step D. For each
+kernel pair γ_max is the largest γ within GAMMA_TOLERANCE of the best decoding rate
 
-    rate(kernel, draft, γ) = E(α, γ) / (T · r(γ+1) + γ · D),   E(α, γ) = (1 − α^{γ+1}) / (1 − α)
+    rate(kernel, draft, γ) = E(α, γ) / (T · r(γ+1) + γ · D),   E(α, γ) = (1 − α^{γ+1}) / (1 − α),
 
-over target kernels and draft kernels, against plain decoding (1 / T) with the fastest target
-kernel; γ_max is then the largest γ within GAMMA_TOLERANCE of that kernel pair's best rate. Pure: numbers in, a Choice out (tests give it cost tables of both CPU
+and the chooser takes the pair (or plain decoding, rate 1 / T, with any target kernel) whose
+planned request, P prompt tokens then N new ones, has the most tokens per second:
+N / (P · R + N / rate). Pure: numbers in, a Choice out (tests give it cost tables of both CPU
 classes and of a GPU).
 """
 
@@ -30,6 +31,10 @@ PRIOR_ALPHA = 0.85
 # confidence stop ends most blocks before γ_max, so a larger cap costs little where the verify is
 # flat, while Eq. 1's i.i.d. α understates runs of acceptances (paper A.3).
 GAMMA_TOLERANCE = 0.05
+# The request the choice plans for: a HumanEval prompt (~130-180 tokens with its chat template)
+# and 128 new tokens. Prompt reads weigh in because a kernel that is fast one row at a time can
+# read a prompt several times slower (bfloat16 without native support: 82 against 22 ms a token).
+PROMPT_TOKENS, NEW_TOKENS = 150, 128
 
 
 @dataclass(frozen=True)
@@ -60,9 +65,13 @@ class Choice:
 
     target_kernel: a key of the target costs ("bfloat16", "float32-packed", ...).
     draft_kernel: a key of the draft costs ("int4", "int8", "none"), or None for plain decoding.
-    gamma: γ_max (0 for plain decoding).  rate: expected tokens per second.
-    plain_rate: tokens per second of plain decoding with the fastest target kernel.
+    gamma: γ_max (0 for plain decoding).  rate: expected tokens per second of the planned request
+    (prompt read included).  plain_rate: the same for plain decoding with the best target kernel.
     c: the draft step over the chosen target step (paper Def. 3.7).  r: r(γ+1) of that kernel.
+    alpha: the α planned for.  notes: what was measured, one line per target kernel.
+    The verification rule is not chosen: block verification equals the token-wise rule under
+    greedy decoding, costs the same target call, and measured level with it at temperature 1
+    (2.59x against 2.61x, docs/bench_code_t1_20.md); Eq. 1 has no term for its gain.
     """
 
     target_kernel: str
@@ -73,7 +82,6 @@ class Choice:
     c: float = 0.0
     r: float = 1.0
     alpha: float = PRIOR_ALPHA
-    verification: str = "token"
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -89,18 +97,21 @@ class Choice:
 
 
 def choose(targets: dict[str, TargetCost], drafts: dict[str, dict[str, float]], alpha: float = PRIOR_ALPHA,
-           max_gamma: int = 8) -> Choice:
-    """The configuration with the most expected tokens per second.
+           max_gamma: int = 8, prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS) -> Choice:
+    """The configuration with the most expected tokens per second over a request of
+    prompt_tokens prompt tokens and new_tokens new ones (its prompt read included).
 
     Args:
         targets: {target kernel: its TargetCost}.
         drafts: {target kernel: {draft kernel: seconds of one draft step}} (a draft runs in the
             target kernel's dtype, so its costs are per target kernel); empty for no draft.
         alpha: the acceptance rate to plan for, in [0, 1).  max_gamma: the largest γ considered.
+        prompt_tokens, new_tokens: the request planned for (>= 0 and >= 1).
     Returns:
         a Choice; draft_kernel None (plain decoding) where no draft pays on this machine.
     Raises:
-        ValueError: no target kernel, alpha outside [0, 1), max_gamma < 1.
+        ValueError: no target kernel, alpha outside [0, 1), max_gamma < 1, prompt_tokens < 0
+            or new_tokens < 1.
     """
     if not targets:
         raise ValueError("choose() needs at least one target kernel's costs")
@@ -108,16 +119,23 @@ def choose(targets: dict[str, TargetCost], drafts: dict[str, dict[str, float]], 
         raise ValueError(f"alpha must be in [0, 1), got {alpha!r}")
     if max_gamma < 1:
         raise ValueError(f"max_gamma must be >= 1, got {max_gamma!r}")
-    plain_kernel = min(targets, key=lambda name: targets[name].step_s)
-    plain_rate = 1 / targets[plain_kernel].step_s
-    best = Choice(plain_kernel, None, 0, plain_rate, plain_rate, alpha=alpha)
+    if prompt_tokens < 0 or new_tokens < 1:
+        raise ValueError(f"need prompt_tokens >= 0 and new_tokens >= 1, got {prompt_tokens!r}, {new_tokens!r}")
+    def request_rate(cost: TargetCost, decode_rate: float) -> float:
+        # a request's tokens per second, its prompt read included (the first step reads it)
+        return new_tokens / (prompt_tokens * cost.read_s_per_token + new_tokens / decode_rate)
+
+    plain = {kernel: request_rate(cost, 1 / cost.step_s) for kernel, cost in targets.items()}
+    plain_kernel = max(plain, key=plain.get)
+    best = Choice(plain_kernel, None, 0, plain[plain_kernel], plain[plain_kernel], alpha=alpha)
     for kernel, cost in targets.items():
         for draft_kernel, draft_s in drafts.get(kernel, {}).items():
             rates = {gamma: expected_tokens(alpha, gamma) / (cost.step_s * cost.ratio(gamma + 1) + gamma * draft_s)
                      for gamma in range(1, max_gamma + 1)}
             top = max(rates.values())
-            if top > best.rate:
-                gamma = max(g for g, rate in rates.items() if rate >= (1 - GAMMA_TOLERANCE) * top)
-                best = Choice(kernel, draft_kernel, gamma, rates[gamma], plain_rate, draft_s / cost.step_s,
+            gamma = max(g for g, rate in rates.items() if rate >= (1 - GAMMA_TOLERANCE) * top)
+            rate = request_rate(cost, rates[gamma])
+            if rate > best.rate:
+                best = Choice(kernel, draft_kernel, gamma, rate, best.plain_rate, draft_s / cost.step_s,
                               cost.ratio(gamma + 1), alpha)
     return best
