@@ -304,7 +304,7 @@ class SpeculativeDecoder:
         if guard and self.draft is not None:
             self.guard_costs = guard_costs or self._measure_guard_costs(progress)
         self.engine = Engine(self.target.backend, self._proposer(), self.tokenizer, max_batch_size,
-                             batch_guard=self.guard_costs is not None)
+                             batch_guard=self.guard_costs is not None, first_step_plain=True)
         self._driver = Driver(self.engine)
 
     def configuration(self) -> dict:
@@ -425,8 +425,8 @@ class SpeculativeDecoder:
         it), tree_width the configured one (the benchmark compares them)."""
         draft_backend = draft_backend or (self.draft.backend if self.draft is not None else None)
         width = self.tree_width if tree_width is None else tree_width
-        proposer = DraftModelProposer(draft_backend, self.draft_confidence, width, self.tree_confidence,
-                                      defer_prompt_read=True) if draft_backend is not None else None
+        proposer = DraftModelProposer(draft_backend, self.draft_confidence, width, self.tree_confidence) \
+            if draft_backend is not None else None
         if self.prompt_lookup:
             proposer = PromptLookupProposer(self.target.backend.vocab_size, fallback=proposer)
         return proposer

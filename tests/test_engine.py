@@ -335,3 +335,22 @@ def test_a_backend_whose_rows_all_roll_back_to_empty_can_drop_a_row_and_read_aga
     assert backend.lengths == [3]
     backend.add_row(prefix_ids=[3, 4])
     assert backend.forward([[12], [5]], 1).shape[:2] == (2, 1) and backend.lengths == [4, 3]
+
+
+def test_first_step_plain_gives_the_first_token_from_the_prompt_read_alone_and_the_same_greedy_text():
+    target, draft = TableModel(8, seed=0), TableModel(8, seed=0)
+    config = DecodeConfig(max_new_tokens=30, sampling=SamplingParams(temperature=0), num_speculative_tokens=4)
+    results = {}
+    for plain_first in (False, True):
+        engine = Engine(target, PromptLookupProposer(8, fallback=DraftModelProposer(draft)),
+                        first_step_plain=plain_first)
+        engine.add(Request([1, 2, 3, 1, 2], config))
+        first = engine.step()[0]
+        results[plain_first] = first
+        while engine.has_work:
+            for output in engine.step():
+                if output.result is not None:
+                    results[plain_first, "result"] = output.result
+    assert results[True].num_drafted == 0 and len(results[True].events) == 1  # the target's token alone
+    assert results[False].num_drafted > 0  # the default drafts with the prompt read
+    assert results[True, "result"].token_ids == results[False, "result"].token_ids

@@ -194,12 +194,15 @@ class Engine:
             step yields more tokens per second for the batch. Greedy output is unchanged
             (exactness holds step by step); which steps draft then depends on the batch and the
             machine, so the statistics do.
+        first_step_plain: a row drafts nothing on its first step, so its first token costs the
+            target's prompt read alone, as in plain decoding (the draft reads the prompt on the
+            next step); one more target call per request.
     Raises:
         ValueError: max_batch_size < 1.
     """
 
     def __init__(self, target, proposer=None, tokenizer=None, max_batch_size: int | None = None,
-                 batch_guard: bool = False):
+                 batch_guard: bool = False, first_step_plain: bool = False):
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size!r}")
         self.target, self.proposer, self.tokenizer = target, proposer, tokenizer
@@ -210,6 +213,7 @@ class Engine:
         self.waiting: deque[tuple[int, Request]] = deque()
         self._next_id = 0
         self.cost = BatchCostModel() if batch_guard and proposer is not None else None
+        self.first_step_plain = first_step_plain
         target.reset()
 
     @property
@@ -268,6 +272,12 @@ class Engine:
         # 1 plan
         ks = [row.policy.plan(row.config.max_new_tokens - len(row.out.token_ids), limit, len(row.tokens))
               for row in rows]
+        if self.first_step_plain:
+            # a row's first token comes from the target's prompt read alone: no drafts fed with it
+            # (free prompt-lookup ones cost their tokens in that read too) and no draft model
+            # reading the prompt first, which it does on the row's second step. γ is chosen from
+            # the past only, so this is exact (§2.3).
+            ks = [k if row.stats.num_target_calls else 0 for row, k in zip(rows, ks)]
         prompt_read = any(len(row.pending) > 1 for row in rows)
         if self.cost is not None:
             ks = self._batch_plan(rows, ks)

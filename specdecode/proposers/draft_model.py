@@ -18,7 +18,6 @@ class _RowState:
     drafted: int = 0             # drafts made this step
     fed: int = 0                 # of which the cache holds the first `fed` (never the last)
     base: int = 0                # cache length with the pending tokens in, if they were fed
-    stepped: bool = False        # the row has been through a step (defer_prompt_read)
 
 
 class DraftModelProposer:
@@ -56,15 +55,12 @@ class DraftModelProposer:
             untempered softmax probability of the chosen token (also under greedy decoding).
         tree_width: candidates per uncertain position (>= 1; 1 drafts a chain).
         tree_confidence: in (0, 1]; branch where the chain token's confidence is below it.
-        defer_prompt_read: draft nothing on a row's first step, so that its first token costs
-            the target's prompt read alone (time to first token as plain decoding's); the
-            draft reads the prompt on the next step. Exact: γ depends on the past only (§2.3).
     Raises:
         ValueError: an argument out of range.
     """
 
     def __init__(self, backend, confidence_threshold: float = 0.0, tree_width: int = 1,
-                 tree_confidence: float = 0.8, defer_prompt_read: bool = False):
+                 tree_confidence: float = 0.8):
         if not 0 <= confidence_threshold < 1:
             raise ValueError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
         if tree_width < 1 or not 0 < tree_confidence <= 1:
@@ -72,7 +68,6 @@ class DraftModelProposer:
         self.backend = backend
         self.confidence_threshold = confidence_threshold
         self.tree_width, self.tree_confidence = tree_width, tree_confidence
-        self.defer_prompt_read = defer_prompt_read
         self.max_rows = backend.max_rows
         self.rows: list[_RowState] = []
         self.time_s = self.read_s = 0.0
@@ -96,10 +91,6 @@ class DraftModelProposer:
         start = time.perf_counter()
         backend, states = self.backend, self.rows
         ks = list(ks)
-        if self.defer_prompt_read:
-            # no draft on a row's first step: its first token then costs the target's prompt read
-            # alone, and the draft reads the prompt with its next step's first forward
-            ks = [k if state.stepped else 0 for k, state in zip(ks, states)]
         if backend.max_length is not None:
             # the cache will hold the committed prefix and k − 1 drafts
             ks = [min(k, backend.max_length - (n + len(s.pending)) + 1)
@@ -243,5 +234,4 @@ class DraftModelProposer:
             state.pending = state.pending + list(new[kept:])
             state.base += kept
             state.drafted = state.fed = 0
-            state.stepped = True
         self.backend.truncate([state.base for state in self.rows])
