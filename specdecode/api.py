@@ -233,14 +233,16 @@ class SpeculativeDecoder:
         auto = dtype in (None, "auto") and device_map is None and self.device.type == "cpu" \
             and not isinstance(target, torch.nn.Module)
         self.choice: Choice | None = None
-        draft_kind = quantize_draft
+        draft_kind, self.draft_dtype = quantize_draft, self.dtype
         if auto:
             key = autoconfig.cache_key(str(target), None if draft is None else str(draft), num_speculative_tokens)
             self.choice = autoconfig.load_choice(key)
             if self.choice is not None:  # measured before: load what was chosen
-                self.dtype = autoconfig.KERNEL_DTYPES[self.choice.target_kernel]
-                if quantize_draft is None and self.choice.draft_kernel is not None:
-                    draft_kind = self.choice.draft_kernel
+                self.dtype = self.draft_dtype = autoconfig.KERNEL_DTYPES[self.choice.target_kernel]
+                if self.choice.draft_kernel is not None:
+                    self.draft_dtype = autoconfig.KERNEL_DTYPES[self.choice.draft_dtype]
+                    if quantize_draft is None:
+                        draft_kind = self.choice.draft_kernel
         self.target = self._load(target, tokenizer, progress, device_map=device_map, offload_folder=offload_folder)
         if device_map is not None:
             self.device = self.target.backend.device  # the draft runs where the target's tokens go in
@@ -256,7 +258,8 @@ class SpeculativeDecoder:
         if self.is_encoder_decoder and tree_width > 1:
             raise ValueError("token trees (tree_width > 1) need a decoder-only target")
         if draft is not None:
-            self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, draft_kind)
+            self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, draft_kind,
+                                    dtype=self.draft_dtype)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
             self._check_pair()
         if auto and self.choice is None and not self.is_encoder_decoder \
@@ -266,7 +269,8 @@ class SpeculativeDecoder:
                 drafts[autoconfig.draft_kernel(self.draft.backend.model)] = self.draft.backend.model
                 for kind in QUANTIZATIONS if quantize_draft is None and not isinstance(draft, torch.nn.Module) else ():
                     if kind not in drafts:  # the other kernels the default would allow
-                        drafts[kind] = self._load(draft, self.tokenizer, None, draft_vocab_limit, kind).backend.model
+                        drafts[kind] = self._load(draft, self.tokenizer, None, draft_vocab_limit, kind,
+                                                  dtype=torch.bfloat16).backend.model
             self.choice = autoconfig.measure_and_choose(self.target.backend.model, drafts, draft_vocab_limit,
                                                         num_speculative_tokens, progress)
             del drafts
@@ -275,21 +279,21 @@ class SpeculativeDecoder:
                 self.dtype = autoconfig.KERNEL_DTYPES[self.choice.target_kernel]
                 self.target = self._load(target, tokenizer, progress)
                 self.tokenizer = self.target.tokenizer
-                self.draft = None
-        wanted = self.choice.draft_kernel if self.choice is not None else None
-        if draft is not None and (self.draft is None or (
-                wanted is not None and autoconfig.draft_kernel(self.draft.backend.model) != wanted)):
-            # the chosen kernel (or, where plain decoding measured fastest, the draft as asked:
-            # the guard then pauses drafting while it does not pay)
-            self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit,
-                                    wanted or quantize_draft)
+            wanted = self.choice.draft_kernel
+            if self.draft is not None and wanted is not None and (
+                    autoconfig.KERNEL_DTYPES[self.choice.draft_dtype] != self.draft_dtype
+                    or autoconfig.draft_kernel(self.draft.backend.model) != wanted):
+                self.draft_dtype = autoconfig.KERNEL_DTYPES[self.choice.draft_dtype]
+                self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, wanted,
+                                        dtype=self.draft_dtype)
+            # (where plain decoding measured fastest, the draft stays as asked: the guard then
+            # pauses drafting while it does not pay)
         if self.choice is not None:
             if self.choice.target_kernel == "float32-packed":
                 packed.pack_linears(self.target.backend.model, num_speculative_tokens + 1)
-            if self.choice.target_kernel in autoconfig.ONE_ROW_WITHOUT_ONEDNN:
-                for loaded in (self.target, self.draft):
-                    if loaded is not None:
-                        loaded.backend.one_row_onednn = False
+            self.target.backend.one_row_onednn = self.choice.target_kernel not in autoconfig.ONE_ROW_WITHOUT_ONEDNN
+            if self.draft is not None:
+                self.draft.backend.one_row_onednn = self.choice.draft_dtype not in autoconfig.ONE_ROW_WITHOUT_ONEDNN
             if self.draft is not None:
                 self.num_speculative_tokens = num_speculative_tokens = max(1, self.choice.gamma)
             if progress:
@@ -309,12 +313,14 @@ class SpeculativeDecoder:
 
     def configuration(self) -> dict:
         """What runs, for reports (`generate --json`, the server's /v1/models, `bench`): {"dtype":
-        the target's dtype, "target_kernel", "num_speculative_tokens": γ_max, "machine": this CPU
+        the target's dtype, "target_kernel", "draft_dtype" (the draft's: any dtype keeps the output
+        exact), "num_speculative_tokens": γ_max, "machine": this CPU
         (specdecode.measure.hardware.cpu_report), "choice": why dtype="auto" chose it (None when
         the dtype was given, the target was a model object, or it was too small to time)}."""
         choice = self.choice
         return {"dtype": str(self.dtype).removeprefix("torch."),
                 "target_kernel": choice.target_kernel if choice else str(self.dtype).removeprefix("torch."),
+                "draft_dtype": str(self.draft_dtype).removeprefix("torch.") if self.draft is not None else None,
                 "num_speculative_tokens": self.num_speculative_tokens if self.draft is not None else 0,
                 "machine": cpu_report(),
                 "choice": None if choice is None else {"summary": choice.describe(), "measured": list(choice.notes)}}
@@ -384,9 +390,10 @@ class SpeculativeDecoder:
         return costs["c"], max(costs["r"][gamma + 1] - 1, 0.0) / gamma
 
     def _load(self, spec, tokenizer, progress, vocab_limit=None, quantization: bool | str | None = False,
-              device_map=None, offload_folder=None) -> _Loaded:
+              device_map=None, offload_folder=None, dtype: torch.dtype | None = None) -> _Loaded:
         """quantization: as SpeculativeDecoder's quantize_draft (False for a target); device_map and
-        offload_folder: as SpeculativeDecoder's (the target's only)."""
+        offload_folder: as SpeculativeDecoder's (the target's only); dtype: for a model loaded by
+        name or path (None: self.dtype)."""
         given = isinstance(spec, torch.nn.Module)
         asked = quantization not in (None, False, "none")
         if quantization is True or (quantization is None and not given and self.device.type == "cpu"):
@@ -398,7 +405,7 @@ class SpeculativeDecoder:
             seq2seq = getattr(spec.config, "is_encoder_decoder", False)
             model, tok, name = (copy.deepcopy(spec) if bits and not seq2seq else spec), tokenizer, type(spec).__name__
         else:
-            model, tok, name = load_model(spec, self.dtype, progress, device_map, offload_folder)
+            model, tok, name = load_model(spec, dtype or self.dtype, progress, device_map, offload_folder)
             seq2seq = getattr(model.config, "is_encoder_decoder", False)
         if bits and seq2seq:
             if asked:

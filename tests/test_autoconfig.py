@@ -36,8 +36,10 @@ def test_auto_times_the_pair_once_and_a_second_start_reuses_the_choice(model_dir
     assert first.choice is not None and first.choice.notes  # what was measured, per target kernel
     assert any(line.startswith("chose for this machine") and "torch capability" in line for line in lines)
     assert list((cache / "choices").glob("*.json"))
-    kernels = {"int4", "int8", "none"}  # every draft kernel the default allows was timed
-    assert all(any(f", {k} draft step" in note for note in first.choice.notes) for k in kernels)
+    # every draft kernel the default allows, in every dtype
+    for kind in ("int4", "int8", "none"):
+        for dtype in ("bfloat16", "bfloat16-gemv", "float32"):
+            assert any(note.startswith(f"{kind} {dtype} draft: step") for note in first.choice.notes)
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured again")
@@ -53,9 +55,11 @@ def test_auto_times_the_pair_once_and_a_second_start_reuses_the_choice(model_dir
 @pytest.mark.skipif(not packed.available(), reason="this torch build has no oneDNN packed linear")
 def test_a_float32_choice_loads_float32_with_packed_linears_and_greedy_equals_plain_float32(
         model_dirs, cache, timed_when_tiny):
-    _cached(model_dirs, Choice("float32-packed", "int4", 3, 10.0, 5.0))
+    _cached(model_dirs, Choice("float32-packed", "int4", "bfloat16-gemv", 3, 10.0, 5.0))
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
     assert decoder.dtype == torch.float32 and decoder.num_speculative_tokens == 3
+    assert decoder.draft_dtype == torch.bfloat16 and not decoder.draft.backend.one_row_onednn
+    assert decoder.target.backend.one_row_onednn
     assert any(isinstance(m, packed.PackedLinear) for m in decoder.target.backend.model.modules())
     assert decoder.configuration()["target_kernel"] == "float32-packed"
     plain = SpeculativeDecoder(model_dirs["target"], None, dtype="float32")
@@ -66,7 +70,7 @@ def test_a_float32_choice_loads_float32_with_packed_linears_and_greedy_equals_pl
 
 
 def test_a_gemv_choice_runs_one_row_calls_of_both_models_without_onednn(model_dirs, cache, timed_when_tiny):
-    _cached(model_dirs, Choice("bfloat16-gemv", "int4", 6, 10.0, 5.0))
+    _cached(model_dirs, Choice("bfloat16-gemv", "int4", "bfloat16-gemv", 6, 10.0, 5.0))
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
     assert decoder.dtype == torch.bfloat16 and decoder.num_speculative_tokens == 6
     assert not decoder.target.backend.one_row_onednn and not decoder.draft.backend.one_row_onednn
@@ -74,7 +78,7 @@ def test_a_gemv_choice_runs_one_row_calls_of_both_models_without_onednn(model_di
 
 
 def test_a_cached_plain_choice_still_loads_the_draft_the_user_asked_for(model_dirs, cache, timed_when_tiny):
-    _cached(model_dirs, Choice("bfloat16", None, 0, 5.0, 5.0))
+    _cached(model_dirs, Choice("bfloat16", None, None, 0, 5.0, 5.0))
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
     assert decoder.draft is not None and decoder.num_speculative_tokens == 1 and decoder.dtype == torch.bfloat16
 

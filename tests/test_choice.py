@@ -4,7 +4,7 @@ classes: a CPU with native bfloat16, an AVX2-only CPU, and a GPU."""
 import pytest
 
 from specdecode.engine.cost import expected_tokens
-from specdecode.measure.choice import GAMMA_TOLERANCE, Choice, TargetCost, choose
+from specdecode.measure.choice import GAMMA_TOLERANCE, Choice, DraftCost, TargetCost, choose
 
 # The default pair on 2 cores of an AVX-512-BF16 CPU (bfloat16 and MKL float32 whole-model
 # timings; float32 with packed weights from docs/hardware.md's per-layer ratios).
@@ -12,8 +12,9 @@ NATIVE_BF16 = {
     "bfloat16": TargetCost(0.219, {2: 0.95, 5: 0.92, 9: 1.10, 17: 1.5}, 0.004),
     "float32-packed": TargetCost(0.403, {2: 1.1, 5: 1.25, 9: 1.4, 17: 2.0}, 0.012),
 }
-NATIVE_BF16_DRAFTS = {"bfloat16": {"int4": 0.024, "int8": 0.035, "none": 0.057},
-                      "float32-packed": {"int4": 0.060, "none": 0.157}}
+NATIVE_BF16_DRAFTS = {("int4", "bfloat16"): DraftCost(0.024, 0.002), ("int8", "bfloat16"): DraftCost(0.035, 0.002),
+                      ("none", "bfloat16"): DraftCost(0.057, 0.002), ("int4", "float32"): DraftCost(0.060, 0.005),
+                      ("none", "float32"): DraftCost(0.157, 0.005)}
 # An AVX2-only CPU (no native bfloat16): a bfloat16 product of k rows costs about k/2 one-row
 # products (the 1536 → 8960 projection: 8.2, 9.3, 17.6, 32.6 ms for 1, 2, 5, 9 rows), float32
 # with packed weights about one row's up to 9 rows, and its one-row step is the faster one.
@@ -21,15 +22,17 @@ AVX2 = {
     "bfloat16": TargetCost(0.40, {2: 1.13, 5: 2.15, 9: 3.98, 17: 7.5}, 0.35),
     "float32-packed": TargetCost(0.30, {2: 1.05, 5: 1.2, 9: 1.4, 17: 2.1}, 0.02),
 }
-AVX2_DRAFTS = {"bfloat16": {"int4": 0.05, "none": 0.13}, "float32-packed": {"int4": 0.06, "none": 0.10}}
+AVX2_DRAFTS = {("int4", "bfloat16"): DraftCost(0.05, 0.03), ("none", "bfloat16"): DraftCost(0.13, 0.03),
+               ("int4", "float32"): DraftCost(0.06, 0.006), ("none", "float32"): DraftCost(0.10, 0.006)}
 # A GPU: a verify of up to 17 tokens costs one step; the draft a fiftieth of one.
 GPU = {"bfloat16": TargetCost(0.020, {2: 1.0, 9: 1.0, 17: 1.02}, 0.0001)}
-GPU_DRAFTS = {"bfloat16": {"none": 0.0004}}
+GPU_DRAFTS = {("none", "bfloat16"): DraftCost(0.0004)}
 
 
 def test_native_bfloat16_class_keeps_bfloat16_and_the_int4_draft_at_full_gamma():
     choice = choose(NATIVE_BF16, NATIVE_BF16_DRAFTS)
-    assert (choice.target_kernel, choice.draft_kernel) == ("bfloat16", "int4") and choice.gamma >= 6
+    assert (choice.target_kernel, choice.draft_kernel, choice.draft_dtype) == ("bfloat16", "int4", "bfloat16")
+    assert choice.gamma >= 6
     assert choice.speedup > 2.5
 
 
@@ -37,6 +40,7 @@ def test_avx2_class_avoids_multi_row_bfloat16():
     choice = choose(AVX2, AVX2_DRAFTS)
     assert choice.target_kernel == "float32-packed"
     assert choice.draft_kernel == "int4" and choice.gamma >= 4
+    assert choice.draft_dtype == "float32"  # its prompt read is the cheaper one here
     assert choice.r < 1.5  # what a bfloat16 verify of that width would cost: several steps
     assert AVX2["bfloat16"].ratio(choice.gamma + 1) > 2.5
 
@@ -46,7 +50,7 @@ def test_a_class_where_only_bfloat16_steps_are_fast_decodes_plainly_rather_than_
     # no draft pays for a verify that costs as much as the tokens it saves
     table = {"bfloat16": TargetCost(0.10, {2: 2.0, 5: 5.0, 9: 9.0}, 0.1),
              "float32-packed": TargetCost(0.30, {2: 1.05, 5: 1.2, 9: 1.4}, 0.02)}
-    drafts = {"bfloat16": {"int4": 0.03}, "float32-packed": {"int4": 0.02}}
+    drafts = {("int4", "float32"): DraftCost(0.02)}
     choice = choose(table, drafts, alpha=0.7, prompt_tokens=0)
     assert choice.draft_kernel is None and choice.gamma == 0 and choice.target_kernel == "bfloat16"
     assert choice.speedup == 1.0
@@ -58,7 +62,7 @@ def test_a_slow_prompt_read_weighs_against_a_kernel_with_fast_steps():
     # bfloat16 without native support: the fastest one-row steps, but an 82 ms/token prompt read
     table = {"bfloat16": TargetCost(0.146, {2: 1.5, 5: 3.1, 9: 5.7}, 0.082),
              "float32-packed": TargetCost(0.300, {2: 1.1, 5: 1.3, 9: 1.5}, 0.022)}
-    drafts = {"bfloat16": {"int4": 0.02}, "float32-packed": {"int4": 0.03}}
+    drafts = {("int4", "bfloat16"): DraftCost(0.05)}
     assert choose(table, drafts, prompt_tokens=0).target_kernel == "bfloat16"
     long_prompt = choose(table, drafts, prompt_tokens=2000)
     assert long_prompt.target_kernel == "float32-packed"
@@ -73,16 +77,24 @@ def test_gpu_class_drafts_the_most_tokens():
 
 def test_the_choice_is_the_best_kernel_pair_by_eq1_with_the_largest_gamma_near_its_best():
     rates = {(kernel, draft, gamma): expected_tokens(0.75, gamma) / (cost.step_s * cost.ratio(gamma + 1)
-                                                                      + gamma * draft_s)
-             for kernel, cost in AVX2.items() for draft, draft_s in AVX2_DRAFTS[kernel].items()
+                                                                      + gamma * draft_cost.step_s)
+             for kernel, cost in AVX2.items() for draft, draft_cost in AVX2_DRAFTS.items()
              for gamma in range(1, 9)}
     choice = choose(AVX2, AVX2_DRAFTS, alpha=0.75, prompt_tokens=0)  # decoding alone: Eq. 1's rates
     kernel, draft, _ = max(rates, key=rates.get)
-    assert (choice.target_kernel, choice.draft_kernel) == (kernel, draft)
+    assert (choice.target_kernel, (choice.draft_kernel, choice.draft_dtype)) == (kernel, draft)
     near = [g for (k, d, g), rate in rates.items()
             if (k, d) == (kernel, draft) and rate >= (1 - GAMMA_TOLERANCE) * max(rates.values())]
     assert choice.gamma == max(near) and choice.rate == pytest.approx(rates[kernel, draft, choice.gamma])
     assert choice.rate >= choice.plain_rate
+
+
+def test_any_draft_goes_with_any_target_kernel():
+    # a float32 target with a bfloat16 draft: the draft's dtype is chosen for its own speed
+    table = {"float32-packed": TargetCost(0.30, {2: 1.05, 9: 1.4}, 0.02)}
+    drafts = {("int4", "float32"): DraftCost(0.30), ("int4", "bfloat16-gemv"): DraftCost(0.03)}
+    choice = choose(table, drafts)
+    assert (choice.target_kernel, choice.draft_dtype) == ("float32-packed", "bfloat16-gemv")
 
 
 def test_no_draft_costs_means_plain_decoding_with_the_fastest_kernel():

@@ -4,9 +4,10 @@ machine, model pair and library version so that a second start measures nothing.
 
 Candidates on a CPU: the target in bfloat16 (torch's kernels; and with one-row calls on torch's
 own matrix-vector kernels instead of oneDNN's) and in float32 with oneDNN-packed weights
-(specdecode.models.packed); the draft in the same dtype with each of its kernels (int4,
-int8, its float weights; only the one asked for when quantize_draft was given). They are timed on
-models loaded in bfloat16 and float32 copies of them, a few forwards each, round by round in turn.
+(specdecode.models.packed); the draft, whose dtype is free (the verifier needs only its q), in
+bfloat16 (both ways) and float32, with each of its kernels (int4, int8, its float weights; only the
+one asked for when quantize_draft was given). They are timed on models loaded in bfloat16 and
+float32 copies of them, a few forwards each, round by round in turn.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from specdecode.measure.choice import Choice, TargetCost, choose
+from specdecode.measure.choice import Choice, DraftCost, TargetCost, choose
 from specdecode.measure.hardware import cpu_report
 from specdecode.measure.timing import time_interleaved
 from specdecode.models import packed
@@ -30,11 +31,13 @@ from specdecode.models.hf import HFCausalLM
 
 # k of the timed calls: a plain step, verifies of γ+1 up to 17 and a prompt read of 64 tokens
 SIZES = (1, 2, 5, 9, 17, 64)
-CACHE_VERSION = 2  # bumped when what is measured or how the choice is made changes
-# target kernels: bfloat16 as torch runs it; bfloat16 whose one-row calls skip oneDNN for
-# torch's own matrix-vector kernels (HFCausalLM.one_row_onednn = False, on the draft as well);
-# float32 with packed weights
-KERNEL_DTYPES = {"bfloat16": torch.bfloat16, "bfloat16-gemv": torch.bfloat16, "float32-packed": torch.float32}
+DRAFT_SIZES = (1, 64)  # a draft step and the draft's prompt read
+CACHE_VERSION = 3  # bumped when what is measured or how the choice is made changes
+# kernels: bfloat16 as torch runs it; bfloat16 whose one-row calls skip oneDNN for torch's own
+# matrix-vector kernels (HFCausalLM.one_row_onednn = False); float32 with packed weights (the
+# target's) and float32 as loaded (the draft's: its int4/int8 layers are not torch Linears)
+KERNEL_DTYPES = {"bfloat16": torch.bfloat16, "bfloat16-gemv": torch.bfloat16, "float32-packed": torch.float32,
+                 "float32": torch.float32}
 ONE_ROW_WITHOUT_ONEDNN = {"bfloat16-gemv"}
 
 
@@ -108,36 +111,36 @@ def measure_and_choose(target_model, drafts: dict, draft_vocab_limit: int | None
         progress("timing this machine's kernels for the target and the draft (once per machine and pair; cached)")
     vocab = target_model.get_input_embeddings().num_embeddings
     context = [(100 + i * 7919) % min(vocab, 30000) for i in range(64)]  # a spread of ordinary ids
-    models = {("bfloat16", None): target_model,
-              **{("bfloat16", kind): model for kind, model in drafts.items()}}
+    # (kernel, draft kind or None for the target) → model; the gemv variants share the bfloat16 ones
+    models = {("bfloat16", None): target_model, **{("bfloat16", kind): model for kind, model in drafts.items()}}
     if packed.available():
         copy32 = copy.deepcopy(target_model).float()
         packed.pack_linears(copy32, max_gamma + 1)
         models["float32-packed", None] = copy32
-        models.update({("float32-packed", kind): copy.deepcopy(model).float() for kind, model in drafts.items()})
-    backends = {key: HFCausalLM(model) if key[1] is None else HFCausalLM(model, draft_vocab_limit, lean=True)
-                for key, model in models.items()}
-    sizes = {key: SIZES if key[1] is None else (1,) for key in backends}
-    for (kernel, draft), model in list(models.items()):  # the gemv variant: one-row calls only
-        if kernel == "bfloat16":
-            backends["bfloat16-gemv", draft] = backend = HFCausalLM(model) if draft is None \
-                else HFCausalLM(model, draft_vocab_limit, lean=True)
-            backend.one_row_onednn = False
-            sizes["bfloat16-gemv", draft] = (1,)
+        models.update({("float32", kind): copy.deepcopy(model).float() for kind, model in drafts.items()})
+    models.update({("bfloat16-gemv", kind): model for (kernel, kind), model in list(models.items())
+                   if kernel == "bfloat16"})
+    backends, sizes = {}, {}
+    for (kernel, kind), model in models.items():
+        backend = HFCausalLM(model) if kind is None else HFCausalLM(model, draft_vocab_limit, lean=True)
+        backend.one_row_onednn = kernel not in ONE_ROW_WITHOUT_ONEDNN
+        backends[kernel, kind] = backend
+        # a gemv variant's multi-row calls are bfloat16's own: its one-row step is all it adds
+        sizes[kernel, kind] = (1,) if kernel in ONE_ROW_WITHOUT_ONEDNN else SIZES if kind is None else DRAFT_SIZES
     with torch.inference_mode():
         times = time_interleaved(backends, context, sizes)
     del models, backends
-    # the gemv variant's multi-row calls are bfloat16's own
-    times["bfloat16-gemv", None] = {**times["bfloat16", None], 1: times["bfloat16-gemv", None][1]}
+    for kernel, kind in list(times):
+        if kernel in ONE_ROW_WITHOUT_ONEDNN:
+            times[kernel, kind] = {**times["bfloat16", kind], 1: times[kernel, kind][1]}
+    read = max(DRAFT_SIZES)
     targets = {kernel: TargetCost(t[1], {k: t[k] / t[1] for k in SIZES if k > 1}, t[max(SIZES)] / max(SIZES))
-               for (kernel, draft), t in times.items() if draft is None}
-    draft_steps = {}
-    for (kernel, draft), t in times.items():
-        if draft is not None:
-            draft_steps.setdefault(kernel, {})[draft] = t[1]
-    choice = choose(targets, draft_steps, max_gamma=max_gamma)
-    notes = tuple(f"{kernel}: step {1e3 * cost.step_s:.0f} ms, r(9) {cost.ratio(9):.2f}, "
-                  f"prompt read {1e3 * cost.read_s_per_token:.1f} ms/token"
-                  + "".join(f", {kind} draft step {1e3 * s:.0f} ms" for kind, s in draft_steps.get(kernel, {}).items())
-                  for kernel, cost in targets.items())
+               for (kernel, kind), t in times.items() if kind is None}
+    draft_costs = {(kind, kernel): DraftCost(t[1], t[read] / read) for (kernel, kind), t in times.items()
+                   if kind is not None}
+    choice = choose(targets, draft_costs, max_gamma=max_gamma)
+    notes = tuple(f"{kernel} target: step {1e3 * cost.step_s:.0f} ms, r(9) {cost.ratio(9):.2f}, "
+                  f"prompt read {1e3 * cost.read_s_per_token:.1f} ms/token" for kernel, cost in targets.items()) + \
+        tuple(f"{kind} {kernel} draft: step {1e3 * cost.step_s:.0f} ms, prompt read "
+              f"{1e3 * cost.read_s_per_token:.1f} ms/token" for (kind, kernel), cost in draft_costs.items())
     return Choice(**{**asdict(choice), "notes": notes})

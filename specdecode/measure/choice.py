@@ -6,14 +6,15 @@ target step (§3.3). On a CPU that holds only where the multi-row product has a 
 native bfloat16 (AVX-512-BF16, AMX) a 9-token verify costs about one step, without it (AVX2-only
 x86: AMD Zen 2/3, Intel before Sapphire Rapids) four to six, and float32 with packed weights about
 1.4 (docs/hardware.md). So each candidate target kernel is timed for its one-token step T, its
-k-token cost r(k)·T and its prompt read per token R, each draft kernel for its step D. For each
+k-token cost r(k)·T and its prompt read per token R, each draft kernel and dtype for its step D
+and its own prompt read (any draft goes with any target: the verifier needs only its q). For each
 kernel pair γ_max is the largest γ within GAMMA_TOLERANCE of the best decoding rate
 
     rate(kernel, draft, γ) = E(α, γ) / (T · r(γ+1) + γ · D),   E(α, γ) = (1 − α^{γ+1}) / (1 − α),
 
 and the chooser takes the pair (or plain decoding, rate 1 / T, with any target kernel) whose
 planned request, P prompt tokens then N new ones, has the most tokens per second:
-N / (P · R + N / rate). Pure: numbers in, a Choice out (tests give it cost tables of both CPU
+N / (P · (R + R_draft) + N / rate). Pure: numbers in, a Choice out (tests give it cost tables of both CPU
 classes and of a GPU).
 """
 
@@ -60,11 +61,22 @@ class TargetCost:
 
 
 @dataclass(frozen=True)
+class DraftCost:
+    """One draft kernel and dtype on this machine: seconds of a one-token draft step, and per token
+    of its prompt read (the draft reads each request's prompt once, on the request's second step)."""
+
+    step_s: float
+    read_s_per_token: float = 0.0
+
+
+@dataclass(frozen=True)
 class Choice:
     """What the chooser picked and why.
 
     target_kernel: a key of the target costs ("bfloat16", "float32-packed", ...).
-    draft_kernel: a key of the draft costs ("int4", "int8", "none"), or None for plain decoding.
+    draft_kernel, draft_dtype: the key of the draft costs chosen (its layers: "int4", "int8",
+        "none"; its dtype's kernel: "bfloat16", "bfloat16-gemv", "float32"), or None for plain
+        decoding. The draft's dtype is free: the verifier needs only the q it sampled from.
     gamma: γ_max (0 for plain decoding).  rate: expected tokens per second of the planned request
     (prompt read included).  plain_rate: the same for plain decoding with the best target kernel.
     c: the draft step over the chosen target step (paper Def. 3.7).  r: r(γ+1) of that kernel.
@@ -76,6 +88,7 @@ class Choice:
 
     target_kernel: str
     draft_kernel: str | None
+    draft_dtype: str | None
     gamma: int
     rate: float
     plain_rate: float
@@ -92,19 +105,20 @@ class Choice:
     def describe(self) -> str:
         if self.draft_kernel is None:
             return f"{self.target_kernel} target, plain decoding ({self.plain_rate:.1f} tokens/s expected)"
-        return (f"{self.target_kernel} target, {self.draft_kernel} draft, γ ≤ {self.gamma}: c = {self.c:.2f}, "
+        return (f"{self.target_kernel} target, {self.draft_kernel} {self.draft_dtype} draft, γ ≤ {self.gamma}: "
+                f"c = {self.c:.2f}, "
                 f"r(γ+1) = {self.r:.2f}, expected {self.speedup:.2f}x plain decoding at α = {self.alpha:.2f}")
 
 
-def choose(targets: dict[str, TargetCost], drafts: dict[str, dict[str, float]], alpha: float = PRIOR_ALPHA,
+def choose(targets: dict[str, TargetCost], drafts: dict[tuple[str, str], DraftCost], alpha: float = PRIOR_ALPHA,
            max_gamma: int = 8, prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS) -> Choice:
     """The configuration with the most expected tokens per second over a request of
     prompt_tokens prompt tokens and new_tokens new ones (its prompt read included).
 
     Args:
         targets: {target kernel: its TargetCost}.
-        drafts: {target kernel: {draft kernel: seconds of one draft step}} (a draft runs in the
-            target kernel's dtype, so its costs are per target kernel); empty for no draft.
+        drafts: {(draft kernel, draft dtype kernel): its DraftCost}; empty for no draft. Any
+            draft goes with any target kernel.
         alpha: the acceptance rate to plan for, in [0, 1).  max_gamma: the largest γ considered.
         prompt_tokens, new_tokens: the request planned for (>= 0 and >= 1).
     Returns:
@@ -121,21 +135,22 @@ def choose(targets: dict[str, TargetCost], drafts: dict[str, dict[str, float]], 
         raise ValueError(f"max_gamma must be >= 1, got {max_gamma!r}")
     if prompt_tokens < 0 or new_tokens < 1:
         raise ValueError(f"need prompt_tokens >= 0 and new_tokens >= 1, got {prompt_tokens!r}, {new_tokens!r}")
-    def request_rate(cost: TargetCost, decode_rate: float) -> float:
-        # a request's tokens per second, its prompt read included (the first step reads it)
-        return new_tokens / (prompt_tokens * cost.read_s_per_token + new_tokens / decode_rate)
+    def request_rate(read_s_per_token: float, decode_rate: float) -> float:
+        # a request's tokens per second, its prompt reads included
+        return new_tokens / (prompt_tokens * read_s_per_token + new_tokens / decode_rate)
 
-    plain = {kernel: request_rate(cost, 1 / cost.step_s) for kernel, cost in targets.items()}
+    plain = {kernel: request_rate(cost.read_s_per_token, 1 / cost.step_s) for kernel, cost in targets.items()}
     plain_kernel = max(plain, key=plain.get)
-    best = Choice(plain_kernel, None, 0, plain[plain_kernel], plain[plain_kernel], alpha=alpha)
+    best = Choice(plain_kernel, None, None, 0, plain[plain_kernel], plain[plain_kernel], alpha=alpha)
     for kernel, cost in targets.items():
-        for draft_kernel, draft_s in drafts.get(kernel, {}).items():
-            rates = {gamma: expected_tokens(alpha, gamma) / (cost.step_s * cost.ratio(gamma + 1) + gamma * draft_s)
+        for (draft_kernel, draft_dtype), draft in drafts.items():
+            rates = {gamma: expected_tokens(alpha, gamma) / (cost.step_s * cost.ratio(gamma + 1)
+                                                             + gamma * draft.step_s)
                      for gamma in range(1, max_gamma + 1)}
             top = max(rates.values())
             gamma = max(g for g, rate in rates.items() if rate >= (1 - GAMMA_TOLERANCE) * top)
-            rate = request_rate(cost, rates[gamma])
+            rate = request_rate(cost.read_s_per_token + draft.read_s_per_token, rates[gamma])
             if rate > best.rate:
-                best = Choice(kernel, draft_kernel, gamma, rate, best.plain_rate, draft_s / cost.step_s,
-                              cost.ratio(gamma + 1), alpha)
+                best = Choice(kernel, draft_kernel, draft_dtype, gamma, rate, best.plain_rate,
+                              draft.step_s / cost.step_s, cost.ratio(gamma + 1), alpha)
     return best
