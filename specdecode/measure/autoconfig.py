@@ -32,7 +32,7 @@ from specdecode.models.hf import HFCausalLM
 # k of the timed calls: a plain step, verifies of γ+1 up to 17 and a prompt read of 64 tokens
 SIZES = (1, 2, 5, 9, 17, 64)
 DRAFT_SIZES = (1, 64)  # a draft step and the draft's prompt read
-CACHE_VERSION = 3  # bumped when what is measured or how the choice is made changes
+CACHE_VERSION = 4  # bumped when what is measured or how the choice is made changes
 # kernels: bfloat16 as torch runs it; bfloat16 whose one-row calls skip oneDNN for torch's own
 # matrix-vector kernels (HFCausalLM.one_row_onednn = False); float32 with packed weights (the
 # target's) and float32 as loaded (the draft's: its int4/int8 layers are not torch Linears)

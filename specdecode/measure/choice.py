@@ -14,7 +14,8 @@ kernel pair γ_max is the largest γ within GAMMA_TOLERANCE of the best decoding
 
 and the chooser takes the pair (or plain decoding, rate 1 / T, with any target kernel) whose
 planned request, P prompt tokens then N new ones, has the most tokens per second:
-N / (P · (R + R_draft) + N / rate). Pure: numbers in, a Choice out (tests give it cost tables of both CPU
+N / (P · (R + R_draft) + N / rate), among target kernels whose own plain decoding of that request
+is within PLAIN_FLOOR of the best one's (the guard's fallback where α turns out low). Pure: numbers in, a Choice out (tests give it cost tables of both CPU
 classes and of a GPU).
 """
 
@@ -36,6 +37,12 @@ GAMMA_TOLERANCE = 0.05
 # and 128 new tokens. Prompt reads weigh in because a kernel that is fast one row at a time can
 # read a prompt several times slower (bfloat16 without native support: 82 against 22 ms a token).
 PROMPT_TOKENS, NEW_TOKENS = 150, 128
+# A target kernel whose plain decoding (of that request) is slower than this fraction of the best
+# one's is not taken: the dtype is fixed at load, and where acceptance turns out low the guard
+# falls back to plain steps of the chosen kernel, which would then lose to the target alone (on an
+# emulated AVX2 CPU a float32 target verifying cheaply gave 1.55x on a HumanEval prompt and 0.62x
+# on a Spec-Bench qa prompt against bfloat16 plain decoding, docs/hardware.md).
+PLAIN_FLOOR = 0.9
 
 
 @dataclass(frozen=True)
@@ -143,6 +150,8 @@ def choose(targets: dict[str, TargetCost], drafts: dict[tuple[str, str], DraftCo
     plain_kernel = max(plain, key=plain.get)
     best = Choice(plain_kernel, None, None, 0, plain[plain_kernel], plain[plain_kernel], alpha=alpha)
     for kernel, cost in targets.items():
+        if plain[kernel] < PLAIN_FLOOR * best.plain_rate:
+            continue
         for (draft_kernel, draft_dtype), draft in drafts.items():
             rates = {gamma: expected_tokens(alpha, gamma) / (cost.step_s * cost.ratio(gamma + 1)
                                                              + gamma * draft.step_s)
