@@ -257,7 +257,8 @@ class SpeculativeDecoder:
                              "google/flan-t5-small for a flan-t5 target) or draft=None")
         if self.is_encoder_decoder and tree_width > 1:
             raise ValueError("token trees (tree_width > 1) need a decoder-only target")
-        if draft is not None:
+        plain_chosen = self.choice is not None and self.choice.draft_kernel is None
+        if draft is not None and not plain_chosen:
             self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, draft_kind,
                                     dtype=self.draft_dtype)
             check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
@@ -286,8 +287,11 @@ class SpeculativeDecoder:
                 self.draft_dtype = autoconfig.KERNEL_DTYPES[self.choice.draft_dtype]
                 self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, wanted,
                                         dtype=self.draft_dtype)
-            # (where plain decoding measured fastest, the draft stays as asked: the guard then
-            # pauses drafting while it does not pay)
+        if self.choice is not None and self.choice.draft_kernel is None:
+            # plain decoding measured fastest on this machine: no draft, and no prompt lookup
+            # unless asked for (its drafts cost a multi-token verify too)
+            self.draft = None
+            self.prompt_lookup = bool(prompt_lookup)
         if self.choice is not None:
             if self.choice.target_kernel == "float32-packed":
                 packed.pack_linears(self.target.backend.model, num_speculative_tokens + 1)

@@ -108,8 +108,12 @@ def test_cli_json_output(model_dirs, capsys):
                  "--temperature", "0", "--max-new-tokens", "12", "--dtype", "float32", "--json", "--quiet"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"text", "token_ids", "finish_reason", "stats"}
+    assert set(out) == {"text", "token_ids", "finish_reason", "stats", "configuration"}
     assert len(out["token_ids"]) == 12 and out["finish_reason"] == "length"
+    configuration = out["configuration"]  # which dtype ran, on which CPU class, and why
+    assert configuration["dtype"] == "float32" and configuration["choice"] is None
+    assert configuration["machine"]["capability"] == torch.backends.cpu.get_cpu_capability()
+    assert isinstance(configuration["machine"]["native_bfloat16"], bool)
     assert out["stats"]["num_drafted"] > 0 and out["stats"]["lossy"] is False
 
 

@@ -131,6 +131,8 @@ def metric(server, name: str) -> float:
 def test_models_lists_the_served_model(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    configuration = models.data[0].to_dict()["specdecode"]  # what runs, on which CPU class
+    assert configuration["dtype"] == "float32" and configuration["machine"]["capability"]
 
 
 def test_speculative_greedy_equals_plain_greedy_for_completions_and_chat(server, plain_server):

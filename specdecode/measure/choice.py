@@ -111,7 +111,8 @@ class Choice:
 
     def describe(self) -> str:
         if self.draft_kernel is None:
-            return f"{self.target_kernel} target, plain decoding ({self.plain_rate:.1f} tokens/s expected)"
+            return (f"{self.target_kernel} target, plain decoding ({self.plain_rate:.1f} tokens/s expected): no draft "
+                    "pays on this machine, so none runs (an explicit dtype= skips this choice)")
         return (f"{self.target_kernel} target, {self.draft_kernel} {self.draft_dtype} draft, γ ≤ {self.gamma}: "
                 f"c = {self.c:.2f}, "
                 f"r(γ+1) = {self.r:.2f}, expected {self.speedup:.2f}x plain decoding at α = {self.alpha:.2f}")
