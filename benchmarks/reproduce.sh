@@ -49,7 +49,6 @@ run alpha --tasks code translation summarization --prompts 3 --max-new-tokens 12
 # γ schedules and prompt lookup on held-out HumanEval prompts 20-24 (chose today's defaults).
 echo "== $(date -u +%H:%M:%S) python benchmarks/tune_schedule.py" >&2
 python benchmarks/tune_schedule.py > /dev/null
-echo "== $(date -u +%H:%M:%S) done" >&2
 # dtype="auto": the target's kernels and the defaults against transformers on this CPU class, then
 # on this machine emulating an AVX2-only CPU (docs/hardware.md).
 emulate_avx2="ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2"
@@ -57,3 +56,4 @@ python benchmarks/target_kernels.py --out docs/target_kernels_avx512_bf16.json
 env $emulate_avx2 python benchmarks/target_kernels.py --out docs/target_kernels_avx2_emulated.json
 python benchmarks/cpu_class.py --out docs/cpu_class_avx512_bf16
 env $emulate_avx2 python benchmarks/cpu_class.py --out docs/cpu_class_avx2_emulated
+echo "== $(date -u +%H:%M:%S) done" >&2
