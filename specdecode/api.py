@@ -17,7 +17,7 @@ from specdecode.engine.engine import Engine
 from specdecode.engine.request import VERIFICATIONS, DecodeConfig, GenerationResult, Request, TokenEvent
 from specdecode.measure import autoconfig
 from specdecode.measure.choice import Choice
-from specdecode.measure.hardware import cpu_report, describe
+from specdecode.measure.hardware import cpu_report, describe, native_bfloat16
 from specdecode.measure.timing import measure_costs
 from specdecode.models import HFCausalLM, Seq2SeqLM, zoo
 from specdecode.models.loading import (check_model_spec, check_same_tokenizer, eos_token_ids, load_model,
@@ -296,6 +296,9 @@ class SpeculativeDecoder:
             if self.choice.target_kernel == "float32-packed":
                 packed.pack_linears(self.target.backend.model, num_speculative_tokens + 1)
             self.target.backend.one_row_onednn = self.choice.target_kernel not in autoconfig.ONE_ROW_WITHOUT_ONEDNN
+            if self.dtype == torch.bfloat16 and not native_bfloat16():
+                # prompt reads as float32 products of the same values (models/packed.py)
+                packed.upcast_wide_linears(self.target.backend.model)
             if self.draft is not None:
                 self.draft.backend.one_row_onednn = self.choice.draft_dtype not in autoconfig.ONE_ROW_WITHOUT_ONEDNN
             if self.draft is not None:

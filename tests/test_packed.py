@@ -76,3 +76,27 @@ def test_one_row_calls_without_onednn_give_the_bfloat16_logits_and_leave_onednn_
     one, other = default.forward([[9]], 1), gemv.forward([[9]], 1)
     assert torch.allclose(one, other, atol=0.05, rtol=0.02)  # bfloat16 rounding of another kernel
     assert torch._C._get_mkldnn_enabled()  # switched back after the call
+
+
+def test_wide_upcast_linear_reads_many_rows_as_float32_products_of_the_bfloat16_values():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96, bias=True).to(torch.bfloat16)
+    wide = packed.WideUpcastLinear(linear, min_rows=8)
+    few, many = torch.randn(1, 3, 64).bfloat16(), torch.randn(2, 20, 64).bfloat16()
+    assert torch.equal(wide(few), linear(few))  # under min_rows: the bfloat16 kernel itself
+    exact = (many.double() @ linear.weight.double().T + linear.bias.double()).to(torch.bfloat16)
+    out = wide(many)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 20, 96)
+    # float32 accumulation rounded once to bfloat16: at most one bfloat16 step from the exact value
+    assert ((out.float() - exact.float()).abs() <= exact.float().abs() * 2 ** -7 + 1e-6).all()
+    assert torch.allclose(out.float(), linear(many).float(), atol=0.02, rtol=0.02)
+
+
+def test_upcast_wide_linears_keeps_the_model_s_greedy_text():
+    model = tiny_llama(8, hidden=64).to(torch.bfloat16)
+    config = DecodeConfig(max_new_tokens=20, sampling=SamplingParams(temperature=0), num_speculative_tokens=0)
+    before = run(HFCausalLM(model), None, PROMPT * 6, config)  # a 42-token prompt read: upcast
+    assert packed.upcast_wide_linears(model, min_rows=16) == 2 * 7 + 1
+    assert packed.upcast_wide_linears(model, min_rows=16) == 0  # already wrapped
+    after = run(HFCausalLM(model), None, PROMPT * 6, config)
+    assert after.token_ids == before.token_ids
