@@ -23,6 +23,7 @@ from specdecode.models import HFCausalLM, Seq2SeqLM, zoo
 from specdecode.models.loading import (check_model_spec, check_same_tokenizer, eos_token_ids, load_model,
                                        parse_device, parse_dtype)
 from specdecode.models import packed
+from specdecode.models.lean import supports as lean_supports
 from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
@@ -292,9 +293,12 @@ class SpeculativeDecoder:
             # unless asked for (its drafts cost a multi-token verify too)
             self.draft = None
             self.prompt_lookup = bool(prompt_lookup)
+        if self.dtype == torch.float32 and self.device.type == "cpu" and device_map is None and packed.available() \
+                and not isinstance(target, torch.nn.Module) and lean_supports(self.target.backend.model):
+            # float32 targets we loaded (Llama/Qwen2 family) get packed weights, asked for or chosen:
+            # the same IEEE float32 products without the BLAS library's jump from one row to two
+            packed.pack_linears(self.target.backend.model, num_speculative_tokens + 1)
         if self.choice is not None:
-            if self.choice.target_kernel == "float32-packed":
-                packed.pack_linears(self.target.backend.model, num_speculative_tokens + 1)
             self.target.backend.one_row_onednn = self.choice.target_kernel not in autoconfig.ONE_ROW_WITHOUT_ONEDNN
             if self.dtype == torch.bfloat16 and not native_bfloat16():
                 # prompt reads as float32 products of the same values (models/packed.py)

@@ -318,7 +318,8 @@ def test_cli_prompts_file_writes_one_json_line_per_prompt(model_dirs, tmp_path, 
     strip = [[{key: o[key] for key in ("index", "text", "token_ids", "finish_reason")} for o in out] for out in outputs]
     assert strip[0] == strip[1]
     assert [o["index"] for o in outputs[0]] == [0, 1, 2] and set(outputs[0][0]) == {"index", "text", "token_ids",
-                                                                                   "finish_reason", "stats"}
+                                                                                   "finish_reason", "stats",
+                                                                                   "configuration"}
     assert main(["generate", "hgf"] + common) == 0
     single = json.loads(capsys.readouterr().out)
     assert outputs[0][1]["token_ids"] == single["token_ids"] and outputs[0][1]["text"] == single["text"]

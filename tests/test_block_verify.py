@@ -327,7 +327,7 @@ def test_cli_generate_with_block_verification(model_dirs, capsys):
     from specdecode.cli import main
 
     assert main(["generate", "abc", "--target", model_dirs["target"], "--draft", model_dirs["draft"],
-                 "--verification", "block", "--seed", "2", "--max-new-tokens", "10", "--dtype", "float32",
+                 "--verification", "block", "--seed", "4", "--max-new-tokens", "10", "--dtype", "float32",
                  "--json", "--quiet"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == 10 and out["stats"]["num_drafted"] > 0
