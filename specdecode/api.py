@@ -107,7 +107,8 @@ class SpeculativeDecoder:
             §4.1) needs an encoder–decoder draft: the prompt is the encoder's input and both
             decoders start from decoder_start_token_id (specdecode.models.Seq2SeqLM).
         tokenizer: the tokenizer for a target given as a loaded model.
-        num_speculative_tokens: γ, the most drafts per target call (>= 1; default 8).
+        num_speculative_tokens: γ, the most drafts per target call (>= 1; default 8). With
+            dtype="auto" the measured choice may lower it (Eq. 1 with this machine's r(k)).
         draft_confidence: stop drafting early once the draft's probability of its own token is
             below this (dynamic γ, exact; default 0.4); 0 always drafts γ tokens.
         draft_vocab_limit: the draft scores only token ids below this (a cheaper LM head; exact,
@@ -148,7 +149,14 @@ class SpeculativeDecoder:
         guard_costs: (c, slope) for the guard: c = a draft forward's time over a target step's,
             slope = (r(γ+1) − 1) / γ, the extra cost of each verified draft in target steps. None
             (default) measures both once here (a few forwards of each model, ~3 s on the zoo pair).
-        dtype: "bfloat16" (default), "float32" or "float16" for models loaded by name.
+        dtype: "auto" (default, also None): for models loaded by name or path on the CPU (target
+            of 100 M parameters or more), time the target in bfloat16 (two ways) and float32 with
+            packed weights, and the draft's kernels and dtypes, once per machine and pair (cached
+            in ~/.cache/specdecode/choices), and run the fastest by Eq. 1 with the measured r(k)
+            (specdecode.measure.autoconfig; plain decoding, without the draft, where nothing beats
+            it); see configuration(). Elsewhere bfloat16. "bfloat16", "float32" or "float16" are
+            used as given (a float32 Llama/Qwen2 target gets oneDNN-packed weights: the same
+            float32 products).
         device: None (where a model given as an object already is, else "cpu"), "cpu", "cuda",
             "cuda:N" or "mps". Models are moved there (a model given as an object too).
         device_map: a target too big for one device: passed to transformers' from_pretrained
@@ -305,8 +313,7 @@ class SpeculativeDecoder:
                 packed.upcast_wide_linears(self.target.backend.model)
             if self.draft is not None:
                 self.draft.backend.one_row_onednn = self.choice.draft_dtype not in autoconfig.ONE_ROW_WITHOUT_ONEDNN
-            if self.draft is not None:
-                self.num_speculative_tokens = num_speculative_tokens = max(1, self.choice.gamma)
+                self.num_speculative_tokens = self.choice.gamma
             if progress:
                 progress(f"chose for this machine ({describe(cpu_report())}): {self.choice.describe()}")
         if tree_width > 1 and getattr(self.target.backend, "sliding", False):
