@@ -19,10 +19,9 @@ from specdecode.measure import autoconfig
 from specdecode.measure.choice import Choice
 from specdecode.measure.hardware import cpu_report, describe, native_bfloat16
 from specdecode.measure.timing import measure_costs
-from specdecode.models import HFCausalLM, Seq2SeqLM, zoo
+from specdecode.models import HFCausalLM, Seq2SeqLM, packed, zoo
 from specdecode.models.loading import (check_model_spec, check_same_tokenizer, eos_token_ids, load_model,
                                        parse_device, parse_dtype)
-from specdecode.models import packed
 from specdecode.models.lean import supports as lean_supports
 from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer

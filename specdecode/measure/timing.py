@@ -32,26 +32,20 @@ def time_forwards(backend, context: list[int], sizes: list[int], repeats: int = 
     """Median seconds of one call appending k tokens after `context`, for each k in sizes, on one
     row. The sizes are interleaved and a first round is discarded, so warm-up and drift hit all
     alike. The backend is left empty."""
-    once = _timer(backend, context, encoder_input_ids)
-    times = {k: [] for k in sizes}
-    for round_ in range(repeats + 1):
-        for k in sizes:
-            seconds = once(k)
-            if round_:
-                times[k].append(seconds)
-    backend.reset()
-    return {k: statistics.median(v) for k, v in times.items()}
+    return time_interleaved({0: backend}, context, {0: sizes}, repeats, encoder_input_ids)[0]
 
 
-def time_interleaved(backends: dict, context: list[int], sizes: dict, repeats: int = 3) -> dict[str, dict[int, float]]:
+def time_interleaved(backends: dict, context: list[int], sizes: dict, repeats: int = 3,
+                     encoder_input_ids: list[int] | None = None) -> dict:
     """{name: {k: median seconds of one call appending k tokens}} for several backends, timed
     round by round in turn (each round every backend, every size of its own), so that a slow
     spell of the machine hits every candidate alike rather than the one being timed then.
 
     Args:
         backends: {name: backend} (each left empty).  sizes: {name: the k to time for it}.
+        encoder_input_ids: what an encoder–decoder pair's decoders attend to (None: decoder-only).
     """
-    timers = {name: _timer(backend, context, None) for name, backend in backends.items()}
+    timers = {name: _timer(backend, context, encoder_input_ids) for name, backend in backends.items()}
     times = {name: {k: [] for k in sizes[name]} for name in backends}
     for round_ in range(repeats + 1):
         for name, once in timers.items():
