@@ -90,6 +90,12 @@ def draft_kernel(model) -> str:
     return "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else "none"
 
 
+def _float32_copy(model):
+    # torch's own Module.float: transformers refuses .float() on a model it loaded from GGUF
+    # (a zoo model's first start, before its weights are cached) though its weights are floats
+    return torch.nn.Module.float(copy.deepcopy(model))
+
+
 def measure_and_choose(target_model, drafts: dict, draft_vocab_limit: int | None, max_gamma: int,
                        progress: Callable[[str], None] | None = None) -> Choice:
     """Time each candidate of this pair and return the Choice.
@@ -114,10 +120,10 @@ def measure_and_choose(target_model, drafts: dict, draft_vocab_limit: int | None
     # (kernel, draft kind or None for the target) → model; the gemv variants share the bfloat16 ones
     models = {("bfloat16", None): target_model, **{("bfloat16", kind): model for kind, model in drafts.items()}}
     if packed.available():
-        copy32 = copy.deepcopy(target_model).float()
+        copy32 = _float32_copy(target_model)
         packed.pack_linears(copy32, max_gamma + 1)
         models["float32-packed", None] = copy32
-        models.update({("float32", kind): copy.deepcopy(model).float() for kind, model in drafts.items()})
+        models.update({("float32", kind): _float32_copy(model) for kind, model in drafts.items()})
     models.update({("bfloat16-gemv", kind): model for (kernel, kind), model in list(models.items())
                    if kernel == "bfloat16"})
     backends, sizes = {}, {}
