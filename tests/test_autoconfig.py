@@ -120,3 +120,15 @@ def test_an_unreadable_cache_file_is_measured_again(model_dirs, cache, timed_whe
     assert autoconfig.load_choice(key) is None
     assert SpeculativeDecoder(model_dirs["target"], model_dirs["draft"]).choice is not None
     assert autoconfig.load_choice(key) is not None
+
+
+def test_float32_copies_work_on_a_model_transformers_marks_quantized():
+    # a zoo model's first start loads it from GGUF, and transformers then refuses .float()
+    from helpers import tiny_llama
+
+    model = tiny_llama(0).to(torch.bfloat16)
+    model.is_quantized, model.quantization_method = True, "gguf"
+    with pytest.raises(ValueError):
+        model.float()
+    assert next(autoconfig._float32_copy(model).parameters()).dtype == torch.float32
+    assert next(model.parameters()).dtype == torch.bfloat16  # the original is untouched
