@@ -4,9 +4,6 @@ validates every input at the boundary, and turns calls into engine requests (spe
 from __future__ import annotations
 
 import copy
-import dataclasses
-import operator
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -15,6 +12,7 @@ import torch
 from specdecode.engine.driver import Driver
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import VERIFICATIONS, DecodeConfig, GenerationResult, Request, TokenEvent
+from specdecode.frontend.builder import RequestBuilder, generation_defaults, is_int as _is_int
 from specdecode.measure import autoconfig
 from specdecode.measure.choice import Choice
 from specdecode.measure.hardware import cpu_report, describe, native_bfloat16
@@ -26,16 +24,6 @@ from specdecode.models.lean import supports as lean_supports
 from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
-
-MAX_LOGPROBS = 20
-# generation_config keys that do not shape the output distribution (ids, cache and output plumbing)
-_NOT_SAMPLING = {"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "transformers_version",
-                 "_from_model_config", "use_cache", "output_attentions", "output_hidden_states", "output_scores",
-                 "output_logits", "return_dict_in_generate", "cache_implementation", "cache_config",
-                 "return_legacy_cache", "is_assistant", "num_assistant_tokens", "num_assistant_tokens_schedule",
-                 "assistant_confidence_threshold", "_commit_hash"}
-# the ones we apply exactly (on top of the request's own settings)
-_APPLIED = ("repetition_penalty", "no_repeat_ngram_size")
 
 # Defaults, exact, chosen on HumanEval: prompt lookup first; otherwise the draft, with int4
 # weights and eager attention, scoring only the first 32768 ids, drafts up to 8 tokens, stopping
@@ -54,10 +42,6 @@ QUANTIZATIONS = {"int8": 8, "int4": 4, "none": None}  # quantize_draft's kinds �
 # dtype="auto" times kernels for targets this large; below, a forward's fixed overhead hides the
 # dtype's kernels, and bfloat16 stays (as for tiny test models)
 AUTO_MIN_PARAMETERS = 100_000_000
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -319,11 +303,15 @@ class SpeculativeDecoder:
             raise ValueError(f"target {self.target.name!r} uses sliding-window attention; token trees "
                              "(tree_width > 1) need full attention")
         self.eos_token_ids = eos_token_ids(self.target.backend.model, self.tokenizer)
-        self.generation_defaults = self._generation_defaults() if use_generation_config else {}
-        self._grammar_compiler = None
+        self.generation_defaults = generation_defaults(self.target.backend.model) if use_generation_config else {}
         self.guard_costs = None  # None: no guard
         if guard and self.draft is not None:
             self.guard_costs = guard_costs or self._measure_guard_costs(progress)
+        self.requests = RequestBuilder(self.tokenizer, self.target.backend, self.eos_token_ids,
+                                       num_speculative_tokens=self.num_speculative_tokens,
+                                       gamma_schedule=gamma_schedule, verification=verification,
+                                       tree_width=tree_width, guard_costs=self.guard_costs,
+                                       defaults=self.generation_defaults, is_encoder_decoder=self.is_encoder_decoder)
         self.engine = Engine(self.target.backend, self._proposer(), self.tokenizer, max_batch_size,
                              batch_guard=self.guard_costs is not None, first_step_plain=True)
         self._driver = Driver(self.engine)
@@ -346,39 +334,6 @@ class SpeculativeDecoder:
         if self.device.type != "cpu" and quantize_draft not in (None, False, "none"):
             raise ValueError(f"quantize_draft={quantize_draft!r}: the int8/int4 draft kernels run on the CPU only; "
                              f"on {self.device} pass quantize_draft=None or 'none'")
-
-    def _generation_defaults(self) -> dict:
-        """The target's generation_config values we apply ({name: value}); warns once about the rest."""
-        config = getattr(self.target.backend.model, "generation_config", None)
-        if config is None:
-            return {}
-        diff = {k: v for k, v in config.to_diff_dict().items() if k not in _NOT_SAMPLING}
-        applied = {}
-        if diff.get("repetition_penalty") not in (None, 1.0):
-            applied["repetition_penalty"] = float(diff["repetition_penalty"])
-        if diff.get("no_repeat_ngram_size"):
-            applied["no_repeat_ngram_size"] = int(diff["no_repeat_ngram_size"])
-        ignored = sorted(k for k in diff if k not in _APPLIED)
-        if ignored:
-            warnings.warn(f"the target's generation_config sets {', '.join(f'{k}={diff[k]!r}' for k in ignored)}: "
-                          "not applied (pass them in SamplingParams); applied: "
-                          f"{', '.join(f'{k}={v!r}' for k, v in applied.items()) or 'nothing'}", stacklevel=3)
-        return applied
-
-    def grammar(self, response_format=None, grammar: str | None = None):
-        """The compiled specdecode.grammar.Grammar for a response_format or grammar string (None for neither).
-
-        Raises:
-            ValueError: an invalid response_format, schema, regex or grammar (the engine's message).
-            ImportError: xgrammar is not installed.
-        """
-        if response_format is None and grammar is None:
-            return None
-        if self._grammar_compiler is None:
-            from specdecode.grammar import GrammarCompiler
-
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.target.backend.vocab_size, self.eos_token_ids)
-        return self._grammar_compiler.compile(response_format, grammar)
 
     def _check_pair(self) -> None:
         if self.is_encoder_decoder != isinstance(self.draft.backend, Seq2SeqLM):
@@ -455,126 +410,24 @@ class SpeculativeDecoder:
             proposer = PromptLookupProposer(self.target.backend.vocab_size, fallback=proposer)
         return proposer
 
-    def config(self, max_new_tokens: int, sampling: SamplingParams | None = None, stop=None,
-               lenience: float = 1.0, logprobs: int | None = None, logits_processors=None,
-               response_format=None, grammar=None) -> DecodeConfig:
-        """The DecodeConfig of a request with these settings (validated) on this decoder; the
-        target's generation_config defaults are applied here (see use_generation_config).
-
-        `grammar` may also be an already compiled specdecode.grammar.Grammar (see `grammar()`).
-        Raises:
-            TypeError: an argument of the wrong type (named).
-            ValueError: max_new_tokens < 1, an empty stop string, lenience outside (0, 1], lenience
-                < 1 on a decoder with verification="block" or tree_width > 1, logprobs outside
-                [0, 20], a logits processor that is not callable, an invalid response_format,
-                schema or grammar.
-        """
-        if not _is_int(max_new_tokens) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if sampling is None:
-            sampling = SamplingParams()
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams (or, for a list of prompts, a list of them), "
-                            f"got {type(sampling).__name__}")
-        stops = (stop,) if isinstance(stop, str) else stop
-        if stops is None:
-            stops = ()
-        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
-            raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        if isinstance(lenience, bool) or not isinstance(lenience, (int, float)) or not 0 < lenience <= 1:
-            raise ValueError(f"lenience must be a number in (0, 1] (1 = exact; below 1 is lossy), got {lenience!r}")
-        if lenience != 1 and self.tree_width > 1:
-            raise ValueError(f"lenience {lenience} (lossy) needs tree_width=1; token trees are verified exactly")
-        if lenience != 1 and self.verification == "block":
-            raise ValueError(f"lenience {lenience} (lossy) needs verification='token'; this decoder verifies "
-                             "blocks, which is exact only")
-        # A seeded sampled request must give the same output alone, in a batch and in another
-        # process (which measures its own c): the guard stays out of it. Exact greedy output
-        # does not depend on when drafting pauses (up to bf16 near-ties); lenient greedy does
-        # (a paused step emits the argmax), so it is not guarded either.
-        guarded = lenience == 1 if sampling.greedy else sampling.seed is None
-        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (alternatives per token), "
-                             f"got {logprobs!r}")
-        processors = list(logits_processors or ())
-        if not all(callable(p) for p in processors):
-            raise ValueError("logits_processors must be callables processor(input_ids [1, T], scores [1, V]) -> scores")
-        from specdecode.grammar import Grammar
-
-        compiled = grammar if isinstance(grammar, Grammar) else self.grammar(response_format, grammar)
-        defaults = self.generation_defaults
-        if "repetition_penalty" in defaults and sampling.repetition_penalty == 1.0:
-            sampling = dataclasses.replace(sampling, repetition_penalty=defaults["repetition_penalty"])
-        if "no_repeat_ngram_size" in defaults:
-            from transformers import NoRepeatNGramLogitsProcessor
-
-            processors.insert(0, NoRepeatNGramLogitsProcessor(defaults["no_repeat_ngram_size"]))
-        return DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling,
-                            num_speculative_tokens=self.num_speculative_tokens, eos_token_ids=self.eos_token_ids,
-                            stop=tuple(stops), lenience=float(lenience),
-                            costs=self.guard_costs if guarded else None, gamma_schedule=self.gamma_schedule,
-                            verification=self.verification, logprobs=logprobs,
-                            logits_processors=tuple(processors), grammar=compiled)
+    # The request path (specdecode.frontend.builder), as the facade's own methods.
+    def config(self, max_new_tokens: int, sampling: SamplingParams | None = None, stop=None, lenience: float = 1.0,
+               logprobs: int | None = None, logits_processors=None, response_format=None, grammar=None) -> DecodeConfig:
+        """The validated DecodeConfig of a request on this decoder (RequestBuilder.config)."""
+        return self.requests.config(max_new_tokens, sampling, stop, lenience, logprobs, logits_processors,
+                                    response_format, grammar)
 
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
-        """A string (chat template applied per `chat`) or token ids → validated token ids. For an
-        encoder–decoder target these are the encoder's input: a string is tokenized with the
-        tokenizer's special tokens (T5's closing </s>) and never gets a chat template.
-
-        Raises:
-            ValueError: empty prompt, ids outside the vocabulary, chat=True without a template
-                (or with an encoder-decoder target), a prompt that fills the context window.
-            TypeError: a prompt that is neither a string nor a list of token ids.
-        """
-        if isinstance(prompt, str) and self.is_encoder_decoder:
-            if chat:
-                raise ValueError("chat=True: an encoder-decoder target takes its prompt as plain encoder input")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
-        elif isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty; give at least one character or token id")
-            has_template = bool(getattr(self.tokenizer, "chat_template", None))
-            if chat and not has_template:
-                raise ValueError("chat=True, but the target's tokenizer has no chat template")
-            if chat is None:
-                chat = has_template
-            if chat:
-                ids = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-                    return_dict=False)
-                ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-            else:
-                ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        elif isinstance(prompt, (list, tuple)):
-            try:
-                ids = [operator.index(t) for t in prompt]  # ints, numpy ints, 0-d int tensors
-            except TypeError:
-                raise ValueError("a token-id prompt must be a list of integers, got "
-                                 f"{[type(t).__name__ for t in prompt][:5]}") from None
-            if any(isinstance(t, bool) for t in prompt):
-                raise ValueError("a token-id prompt must be a list of integers, not booleans")
-        else:
-            raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty; give at least one character or token id")
-        vocab = self.target.backend.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        limit = self.target.backend.max_length
-        if limit is not None and len(ids) >= limit:
-            raise ValueError(f"prompt has {len(ids)} tokens; the target's context window is {limit}")
-        return ids
+        """A prompt → validated token ids (RequestBuilder.encode)."""
+        return self.requests.encode(prompt, chat)
 
     def request(self, prompt, config: DecodeConfig, chat: bool | None = None) -> Request:
-        """An engine Request for one prompt (see encode); for an encoder–decoder target the prompt
-        is the encoder's input and the decoder starts from decoder_start_token_id."""
-        ids = self.encode(prompt, chat)
-        if self.is_encoder_decoder:
-            return Request([self.target.backend.decoder_start_token_id], config, encoder_input_ids=ids)
-        return Request(ids, config)
+        """An engine Request for one prompt (RequestBuilder.encode, then .request)."""
+        return self.requests.request(self.encode(prompt, chat), config)
+
+    def grammar(self, response_format=None, grammar: str | None = None):
+        """The compiled grammar for a response_format or grammar string (RequestBuilder.grammar)."""
+        return self.requests.grammar(response_format, grammar)
 
     def generate(self, prompt, *, max_new_tokens: int = 256, sampling: SamplingParams | list | None = None,
                  stop: list[str] | str | None = None, stream: bool = False, chat: bool | None = None,
@@ -651,13 +504,9 @@ class SpeculativeDecoder:
     def _run_all(self, requests: list[Request], batch_size: int) -> list[GenerationResult]:
         """Keep at most batch_size of these requests in the engine; a new one joins as one finishes."""
         results: list[GenerationResult | None] = [None] * len(requests)
-        queue = list(enumerate(requests))[::-1]
-        active: dict[int, int] = {}
-        while queue or active:
-            while queue and len(active) < batch_size:
-                index, request = queue.pop()
-                active[self._driver.submit(request)] = index
-            self._driver.step()
-            for request_id in [r for r in active if r in self._driver.results]:
-                results[active.pop(request_id)] = self._driver.results.pop(request_id)
+
+        def finish(index, result, _):
+            results[index] = result
+
+        self._driver.decode_all(range(len(requests)), lambda i: (requests[i], None), finish, batch_size)
         return results

@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import sys
 
-from specdecode.cli.common import add_model_flags, build_decoder, check_model_flags, error, stderr_progress
+from specdecode.cli.common import (add_model_flags, add_served_name_flag, build_decoder, check_model_flags, error,
+                                   served_name, stderr_progress)
 from specdecode.scale.rows import RowDefaults
 
 
 def add_parser(sub) -> None:
     batch = sub.add_parser(
         "batch", help="decode a JSONL dataset to a JSONL output (resumable; on Ray Data with --ray)",
-        description="Decode every line of INPUT (a JSON object with \"prompt\" or \"messages\", and optionally "
-                    "\"id\" (default: the line number), \"max_tokens\", \"temperature\", \"top_p\", \"seed\", "
-                    "\"stop\"; other fields are ignored) to one line of OUTPUT with id, text, finish_reason, "
-                    "usage and speculation stats, or {id, error} for a bad line. Rows go through the engine "
-                    "as a continuous batch. Each line is written and flushed as its row finishes: run the same "
-                    "command again after a crash and it skips the ids already written and redoes a half-written "
-                    "last line.")
+        description="Decode every line of INPUT to one line of OUTPUT. Two line formats, detected from the first "
+                    "line: OpenAI's batch format ({\"custom_id\", \"method\": \"POST\", \"url\": "
+                    "\"/v1/chat/completions\" or \"/v1/completions\", \"body\"}: the output line's "
+                    "response.body is what `specdecode serve` answers to that body), or simple lines (a JSON "
+                    "object with \"prompt\" or \"messages\", optionally \"id\" (default: the line number) "
+                    "and any field of the server's request body; other fields are ignored) giving id, text, "
+                    "finish_reason, usage and speculation stats, or {id, error} for a bad line. Rows go "
+                    "through the engine as a continuous batch. Each line is written and flushed as its row "
+                    "finishes: run the same command again after a crash and it skips the rows already written "
+                    "and redoes a half-written last line.")
     batch.add_argument("input", help="the input JSONL file")
     batch.add_argument("--output", required=True, metavar="OUT.jsonl",
                        help="the output JSONL file; appended to, and the ids already there are skipped")
     add_model_flags(batch)
+    add_served_name_flag(batch)
     batch.add_argument("--max-batch-size", type=int, default=8,
                        help="the most rows decoded together; the next joins as one finishes (default: 8)")
     batch.add_argument("--max-tokens", type=int, default=256,
@@ -69,7 +74,8 @@ def run(args, parser) -> int:
     if args.ray is None and (args.workers != 1 or args.cpus_per_worker is not None):
         parser.error("--workers and --cpus-per-worker need --ray")
     defaults = RowDefaults(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                           seed=args.seed, stop=tuple(args.stop), raw=args.raw)
+                           seed=args.seed, stop=tuple(args.stop), raw=args.raw,
+                           model=served_name(args))
     progress = stderr_progress(args)
     bar = None if args.quiet else ProgressBar()
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import importlib.util
 import json
 import sys
@@ -214,6 +215,20 @@ def build_decoder(args, progress, **extra):
     from specdecode import SpeculativeDecoder
 
     return SpeculativeDecoder(**decoder_kwargs(args, progress=progress, **extra))
+
+
+def add_served_name_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id requests name in \"model\" (default: the --target value, a path's last "
+                             "part only: the server does not show its file system)")
+
+
+def served_name(args) -> str:
+    """--served-model-name, else the target's name without the directories of a path."""
+    if args.served_model_name:
+        return args.served_model_name
+    target = str(args.target)
+    return os.path.basename(target.rstrip("/")) if os.path.isdir(target) else target
 
 
 def error(err: Exception) -> int:

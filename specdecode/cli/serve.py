@@ -6,7 +6,8 @@ import argparse
 import signal
 import sys
 
-from specdecode.cli.common import add_model_flags, build_decoder, check_model_flags, error, stderr_progress
+from specdecode.cli.common import (add_model_flags, add_served_name_flag, build_decoder, check_model_flags, error,
+                                   served_name, stderr_progress)
 
 
 def add_parser(sub) -> None:
@@ -25,8 +26,7 @@ def add_parser(sub) -> None:
                        help="requests that may wait for a free row; more get HTTP 429 (default: 64)")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model id clients send (default: the --target value)")
+    add_served_name_flag(serve)
     serve.add_argument("--replicas", type=int, default=None, metavar="N",
                        help="run the server as N Ray Serve replicas (one process and decoder each) behind Ray "
                             "Serve's HTTP proxy on --host/--port; Ray restarts a replica that dies. Needs the [ray] "
@@ -62,7 +62,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         decoder = build_decoder(args, progress, max_batch_size=args.max_batch_size)
     except (ValueError, FileNotFoundError) as err:
         return error(err)
-    name = args.served_model_name or args.target
+    name = served_name(args)
     app = create_app(decoder, model_name=name, max_queue=args.max_queue, api_key=args.api_key)
     if progress:
         progress(f"serving {name!r} on http://{args.host}:{args.port} (page: /, API: /v1, metrics: /metrics)")
@@ -125,7 +125,7 @@ def _run_replicas(args, parser, autoscale) -> int:
     cpus = args.cpus_per_replica or (max(1, (os.cpu_count() or 1) // most) if args.ray is None else 1)
     plan = ray_serve.Replicas(replicas=args.replicas, cpus=cpus, max_ongoing=args.max_batch_size + args.max_queue,
                               max_batch_size=args.max_batch_size, autoscale=autoscale)
-    name = args.served_model_name or args.target
+    name = served_name(args)
     kwargs = decoder_kwargs(args, max_batch_size=args.max_batch_size)
     # A signal during the start is kept and acted on once the replicas are up (they are then
     # removed). Set again after ray.init, which installs its own crash handlers.

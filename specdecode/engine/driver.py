@@ -4,7 +4,7 @@ and tools. Every one of them only adds requests and routes what `Engine.step` re
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import DecodeConfig, GenerationResult, Request, TokenEvent
@@ -53,6 +53,24 @@ class Driver:
                 del self.events[request_id]
                 return self.results.pop(request_id)
             self.step()
+
+    def decode_all(self, items: Iterable, build: Callable, finish: Callable, batch_size: int) -> None:
+        """Decode many items with at most batch_size in the engine; the next joins as one finishes.
+        build(item) → (Request, context), or None to skip the item (the caller has answered it);
+        finish(item, GenerationResult, context) as each request finishes."""
+        waiting, active = deque(items), {}
+        while waiting or active:
+            while waiting and len(active) < batch_size:
+                item = waiting.popleft()
+                built = build(item)
+                if built is not None:
+                    active[self.submit(built[0])] = (item, built[1])
+            if not active:
+                continue
+            self.step()
+            for request_id in [r for r in active if r in self.results]:
+                item, context = active.pop(request_id)
+                finish(item, self.results.pop(request_id), context)
 
     def abort(self, request_id: int) -> None:
         self.engine.abort(request_id)

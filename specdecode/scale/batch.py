@@ -8,98 +8,104 @@ does not depend on where it ran.
 from __future__ import annotations
 
 import contextlib
-
+import dataclasses
 import math
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from specdecode.engine.driver import Driver
 from specdecode.engine.request import Request
-from specdecode.sampling import SamplingParams
+from specdecode.frontend import responses
+from specdecode.frontend.schema import ApiError, ChatRequest
 from specdecode.scale.journal import OutputJournal
-from specdecode.scale.rows import Row, RowDefaults, error_record, parse_line, result_record, row_key
+from specdecode.scale.rows import (Row, RowDefaults, error_record, is_openai_line, openai_record, parse_line,
+                                   result_record, row_key)
 
 
 def read_rows(path: str, defaults: RowDefaults) -> list[Row]:
-    """Every non-blank line of the input JSONL, parsed (bad lines as rows with .error).
+    """Every non-blank line of the input JSONL, parsed (bad lines as rows with .error); the format
+    (OpenAI's batch lines or simple lines, rows.py) is the first line's.
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: two lines with the same id (resuming could not tell them apart), or no rows.
+        ValueError: two lines with the same id (resuming could not tell them apart), no rows, or
+            an OpenAI-format line that cannot be matched to its output (rows.parse_line).
     """
     with open(path, "rb") as f:
         lines = f.read().split(b"\n")
-    rows, seen = [], {}
+    rows, seen, openai = [], {}, None
     for number, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
+            if openai:
+                raise ValueError(f"{path}:{number}: not UTF-8") from None
             rows.append(Row(number, number, error=f"line {number}: not UTF-8"))
         else:
-            rows.append(parse_line(text, number, defaults))
+            if openai is None:
+                openai = is_openai_line(text)
+            try:
+                rows.append(parse_line(text, number, defaults, openai))
+            except ValueError as err:
+                raise ValueError(f"{path}:{err}") from None
         key = row_key(rows[-1].id)
         if key in seen:
-            raise ValueError(f"{path}:{number}: id {rows[-1].id!r} is also on line {seen[key]}; ids must be unique "
-                             "(the output is matched to the input by id)")
+            name = "custom_id" if openai else "id"
+            raise ValueError(f"{path}:{number}: {name} {rows[-1].id!r} is also on line {seen[key]}; {name}s must be "
+                             "unique (the output is matched to the input by them)")
         seen[key] = number
     if not rows:
         raise ValueError(f"{path} holds no rows")
     return rows
 
 
-def build_request(decoder, row: Row, raw: bool) -> Request:
-    """The engine request of a good row on this decoder (a SpeculativeDecoder).
+def build_request(decoder, row: Row, model: str) -> tuple[Request, int]:
+    """The engine request of a good row on this decoder (a SpeculativeDecoder) and its prompt's
+    token count: the server's own request path.
 
     Raises:
-        ValueError, TypeError: the decoder refuses it (empty or too long prompt, no chat template
-            for messages, sampling values out of range).
+        ApiError: what the server would answer to the row's body (400 for a prompt the model
+            cannot take, 404 for an OpenAI-format body naming another model).
     """
-    sampling = SamplingParams(temperature=row.temperature, top_p=row.top_p, seed=row.seed)
-    config = decoder.config(row.max_tokens, sampling, list(row.stop))
-    if row.messages is not None:
-        if decoder.is_encoder_decoder or not getattr(decoder.tokenizer, "chat_template", None):
-            raise ValueError('"messages" needs a target with a chat template; give "prompt" instead')
-        ids = decoder.tokenizer.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False)
-        return decoder.request(list(ids["input_ids"] if isinstance(ids, dict) else ids), config)
-    return decoder.request(row.prompt, config, chat=False if raw else None)
+    if row.openai and row.request.model != model:
+        raise ApiError(404, f"model {row.request.model!r} does not exist; this job serves {model!r}", "model",
+                       "model_not_found")
+    return decoder.requests.from_wire(row.request, row.template)
 
 
-def decode_rows(decoder, rows: Iterable[Row], max_batch_size: int, raw: bool = False,
+def decode_rows(decoder, rows: Iterable[Row], max_batch_size: int, model: str = RowDefaults.model,
                 on_record: Callable[[dict], None] = lambda record: None) -> list[dict]:
     """Decodes the rows through the decoder's engine, at most max_batch_size at once (the next joins
     as one finishes), calling on_record with each row's output record as soon as it is final
-    (error records at once). Returns the records in the order they were made."""
-    driver = Driver(decoder.engine)
-    waiting, active, records = deque(rows), {}, []
+    (error records at once). model: the job's served model name. Returns the records in the
+    order they were made."""
+    texts = responses.TokenTexts(decoder.tokenizer)
+    records = []
 
     def emit(record: dict) -> None:
         records.append(record)
         on_record(record)
 
-    while waiting or active:
-        while waiting and len(active) < max_batch_size:
-            row = waiting.popleft()
-            if row.error is not None:
-                emit(error_record(row))
-                continue
-            try:
-                request = build_request(decoder, row, raw)
-            except (ValueError, TypeError) as err:
-                emit(error_record(Row(row.id, row.line, error=f"line {row.line}: {err}")))
-                continue
-            prompt = request.encoder_input_ids if request.encoder_input_ids is not None else request.prompt_ids
-            active[driver.submit(request)] = (row, len(prompt))
-        if not active:
-            continue
-        driver.step()
-        for request_id in [r for r in active if r in driver.results]:
-            row, prompt_tokens = active.pop(request_id)
-            emit(result_record(row, driver.results.pop(request_id), prompt_tokens))
+    def submit(row: Row):
+        if row.error is not None:
+            emit(error_record(row))
+            return None
+        try:
+            return build_request(decoder, row, model)
+        except ApiError as err:
+            emit(error_record(dataclasses.replace(row, error=err if row.openai else f"line {row.line}: {err.message}")))
+            return None
+
+    def finish(row: Row, result, prompt_tokens: int) -> None:
+        ids = responses.ResponseIds(isinstance(row.request, ChatRequest), model)
+        body = responses.full_response(ids, result, prompt_tokens, texts)
+        emit(openai_record(row, 200, body) if row.openai else
+             result_record(row, result, prompt_tokens, body["choices"][0]["logprobs"]))
+
+    Driver(decoder.engine).decode_all(rows, submit, finish, max_batch_size)
     return records
 
 
@@ -182,7 +188,7 @@ def run_batch(decoder, input_path: str, output_path: str, defaults: RowDefaults 
         OSError, ValueError: as read_rows and OutputJournal (before any row is decoded).
     """
     with job(input_path, output_path, defaults, on_update) as (rows, summary, write):
-        decode_rows(decoder, rows, max_batch_size, defaults.raw, write)
+        decode_rows(decoder, rows, max_batch_size, defaults.model, write)
     return summary
 
 

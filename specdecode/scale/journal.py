@@ -11,18 +11,18 @@ from __future__ import annotations
 import json
 import os
 
-from specdecode.scale.rows import row_key
+from specdecode.scale.rows import record_key
 
 
 class OutputJournal:
     """The output JSONL of a batch job (created if missing).
 
     Attributes:
-        done: the keys (rows.row_key) of the ids already written, results and errors alike.
+        done: the keys (rows.record_key) of the rows already written, results and errors alike.
         cut_bytes: bytes of a half-written last line removed on opening (0 if none).
     Raises (on construction):
         OSError: the file cannot be read, truncated or opened for appending.
-        ValueError: a complete line that is not a JSON object with an "id": not a batch output
+        ValueError: a complete line that is not a JSON object with an "id" (or "custom_id"): not a batch output
             (nothing is changed then).
     """
 
@@ -43,7 +43,7 @@ class OutputJournal:
             if not isinstance(record, dict) or "id" not in record:
                 raise ValueError(f"{path}:{number} is not a batch output line (a JSON object with an \"id\"); "
                                  "pass another --output or remove the file")
-            self.done.add(row_key(record["id"]))
+            self.done.add(record_key(record))
         if len(whole) < len(data):  # a crash mid-write: the row is done again
             self.cut_bytes = len(data) - len(whole)
             os.truncate(path, len(whole))
@@ -55,7 +55,7 @@ class OutputJournal:
         view = memoryview(data)
         while view:  # os.write may write less than asked (never in practice for a regular file)
             view = view[os.write(self._fd, view):]
-        self.done.add(row_key(record["id"]))
+        self.done.add(record_key(record))
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -27,7 +27,7 @@ class DecoderWorker:
     Args:
         decoder_kwargs: SpeculativeDecoder's arguments (plain values).  defaults: RowDefaults.
         max_batch_size: rows decoded together.
-    Call: a batch {"line": int array, "text": str array} of input lines → {"record": JSON strings,
+    Call: a batch {"line": int array, "text": str array, "openai": bool array (the file's format)} of input lines → {"record": JSON strings,
         one per line (results and error records); "started", "ended": the call's start and end on
         this node's clock (Unix seconds, float64), repeated per line}.
     """
@@ -49,8 +49,9 @@ class DecoderWorker:
 
         started = time.time()
         use_assigned_cpus()  # torch's thread count is per thread under OpenMP
-        rows = [parse_line(str(text), int(line), self.defaults) for line, text in zip(batch["line"], batch["text"])]
-        records = decode_rows(self.decoder, rows, self.max_batch_size, self.defaults.raw)
+        rows = [parse_line(str(text), int(line), self.defaults, bool(openai))
+                for line, text, openai in zip(batch["line"], batch["text"], batch["openai"])]
+        records = decode_rows(self.decoder, rows, self.max_batch_size, self.defaults.model)
         ended = time.time()
         return {"record": [json.dumps(r, ensure_ascii=False) for r in records],
                 "started": [started] * len(records), "ended": [ended] * len(records)}
@@ -86,7 +87,8 @@ def run_batch_on_ray(decoder_kwargs: dict, input_path: str, output_path: str, de
         if good:
             with open(input_path, "rb") as f:
                 lines = f.read().split(b"\n")
-            items = [{"line": row.line, "text": lines[row.line - 1].decode("utf-8")} for row in good]
+            items = [{"line": row.line, "text": lines[row.line - 1].decode("utf-8"), "openai": row.openai}
+                     for row in good]
             started = connect(address, quiet)
             try:
                 if cpus_per_worker is None:

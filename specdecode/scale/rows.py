@@ -1,27 +1,39 @@
 """One input line of a batch job → a validated row; one finished row → its output record.
 
-An input line is a JSON object with `prompt` (a string: through the chat template unless the job
-is raw, as `specdecode generate`) or `messages` (a list of {"role", "content"}: always through
-the chat template), and optionally `id` (a string or integer; default: the 1-based line number),
-`max_tokens`, `temperature`, `top_p`, `seed` and `stop`. Other fields (a dataset's own metadata)
-are ignored. A line that breaks these rules becomes an error record {"id", "error"}; the job
-goes on.
+Two line formats, detected per file from its first line:
+
+- **OpenAI's batch format** (as OpenAI's Batch API and vLLM's `run-batch` read it): a line
+  `{"custom_id": str, "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
+  "body": {...}}` gives `{"id", "custom_id", "response": {"status_code", "request_id", "body"},
+  "error": null}` where `body` is what `specdecode serve` answers to that body (a completion,
+  or an error object with its status code).
+- **Simple lines**: a JSON object with `prompt` (a string, through the chat template unless the
+  job is raw, as `specdecode generate`; or token ids, verbatim) or `messages` (always through the
+  chat template), optionally `id` (a string or integer; default: the 1-based line number) and any
+  field of the server's /v1/completions body (for `prompt`) or /v1/chat/completions body (for
+  `messages`): max_tokens, temperature, top_p, top_k, min_p, seed, stop, the penalties,
+  logprobs, response_format, grammar, ... Other fields (a dataset's own metadata) are ignored.
+  The output line is {"id", "text", "finish_reason", "usage", "speculation"} (and "logprobs"
+  when asked for), or {"id", "error"} for a line that breaks these rules; the job goes on.
+
+Both formats are validated by the server's own schema (specdecode.frontend.schema), before any
+model is loaded.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specdecode.engine.request import GenerationResult
+from specdecode.frontend.schema import ApiError, ChatRequest, CompletionRequest, parse
 
-FIELDS = ("id", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop")
+URLS = {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest}
 
 
 @dataclass(frozen=True)
 class RowDefaults:
-    """What a row gets for a field it leaves out (the job's flags)."""
+    """What a simple line gets for a field it leaves out (the job's flags), and the job's model name."""
 
     max_tokens: int = 256
     temperature: float = 1.0
@@ -29,30 +41,33 @@ class RowDefaults:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     raw: bool = False  # a `prompt` string goes in verbatim, without the chat template
+    model: str = "specdecode"  # the served model name: OpenAI-format bodies must name it, as at the server
+
+    def fill(self, fields: dict) -> dict:
+        """A simple line's fields with the job's defaults where it has none."""
+        defaults = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature,
+                    "top_p": self.top_p, "seed": self.seed, "stop": list(self.stop) or None}
+        return defaults | {k: v for k, v in fields.items() if k not in ("id", "model")}
 
 
 @dataclass(frozen=True)
 class Row:
-    """A parsed input line. `error` is set (and the rest unused) for a bad line."""
+    """A parsed input line. `id`: the key the output is matched by (a simple line's id, or an
+    OpenAI-format line's custom_id). `request`: the validated body; `template`: for a completions
+    body, whether its string prompt goes through the chat template (None: when the target has
+    one). `error`: a line that broke the rules (the rest unused), as a one-line message or, for an
+    OpenAI-format line whose body the server would refuse, as that ApiError."""
 
     id: str | int
     line: int
-    prompt: str | None = None
-    messages: list[dict] | None = None
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    error: str | None = None
+    request: ChatRequest | CompletionRequest | None = None
+    template: bool | None = False
+    openai: bool = False
+    error: str | ApiError | None = None
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def row_key(row_id) -> str:
@@ -60,60 +75,97 @@ def row_key(row_id) -> str:
     return json.dumps(row_id)
 
 
-def parse_line(text: str, line: int, defaults: RowDefaults) -> Row:
-    """One input line (1-based number `line`) → a Row; never raises: a bad line gives Row.error."""
+def record_key(record: dict) -> str:
+    """The key of an output record's row (its custom_id in OpenAI's format, else its id)."""
+    return row_key(record["custom_id"] if "custom_id" in record else record["id"])
+
+
+def is_openai_line(text: str) -> bool:
+    """Whether a file whose first line this is uses OpenAI's batch format."""
+    try:
+        record = json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(record, dict) and "custom_id" in record
+
+
+def parse_line(text: str, line: int, defaults: RowDefaults, openai: bool = False) -> Row:
+    """One input line (1-based number `line`) → a Row; bad lines give Row.error.
+
+    Raises:
+        ValueError: an OpenAI-format line without a string custom_id, method POST and a known url
+            (its output could not be matched to it; the job refuses the file).
+    """
     try:
         record = json.loads(text)
     except (ValueError, RecursionError) as err:
+        if openai:
+            raise ValueError(f"line {line}: not JSON ({getattr(err, 'msg', type(err).__name__)})") from None
         return Row(line, line, error=f"line {line}: not JSON ({getattr(err, 'msg', type(err).__name__)})")
+    if openai:
+        return _openai_row(record, line)
     if not isinstance(record, dict):
         return Row(line, line, error=f"line {line}: expected a JSON object, got {type(record).__name__}")
     row_id = record.get("id", line)
     if not (_is_int(row_id) or isinstance(row_id, str)):
         return Row(line, line, error=f"line {line}: id must be a string or an integer, got {row_id!r}")
+    if ("prompt" in record) == ("messages" in record):
+        return Row(row_id, line, error=f'line {line}: give exactly one of "prompt" and "messages"')
+    kind = ChatRequest if "messages" in record else CompletionRequest
+    try:
+        request = parse(kind, defaults.fill(record))
+        refuse_in_batch(request)
+    except ApiError as err:
+        return Row(row_id, line, error=f"line {line}: {err.message}")
+    template = None if kind is CompletionRequest and not defaults.raw else False
+    return Row(row_id, line, request, template)
 
-    def bad(message: str) -> Row:
-        return Row(row_id, line, error=f"line {line}: {message}")
 
-    prompt, messages = record.get("prompt"), record.get("messages")
-    if (prompt is None) == (messages is None):
-        return bad('give exactly one of "prompt" (a string) and "messages" (a list)')
-    if prompt is not None and (not isinstance(prompt, str) or not prompt):
-        return bad('"prompt" must be a non-empty string')
-    if messages is not None:
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            return bad('"messages" must be a non-empty list of {"role": str, "content": str}')
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-    max_tokens = record.get("max_tokens", defaults.max_tokens)
-    if not _is_int(max_tokens) or max_tokens < 1:
-        return bad(f'"max_tokens" must be an integer >= 1, got {max_tokens!r}')
-    temperature = record.get("temperature", defaults.temperature)
-    if not _is_number(temperature) or temperature < 0:
-        return bad(f'"temperature" must be a number >= 0, got {temperature!r}')
-    top_p = record.get("top_p", defaults.top_p)
-    if not _is_number(top_p) or not 0 < top_p <= 1:
-        return bad(f'"top_p" must be a number in (0, 1], got {top_p!r}')
-    seed = record.get("seed", defaults.seed)
-    if seed is not None and (not _is_int(seed) or seed < 0):
-        return bad(f'"seed" must be an integer >= 0, got {seed!r}')
-    stop = record.get("stop", defaults.stop)
-    stop = (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-        return bad(f'"stop" must be a non-empty string or a list of them, got {record.get("stop")!r}')
-    return Row(row_id, line, prompt, messages, max_tokens, float(temperature), float(top_p), seed, tuple(stop))
+def _openai_row(record, line: int) -> Row:
+    if not isinstance(record, dict) or not isinstance(record.get("custom_id"), str):
+        raise ValueError(f"line {line}: an OpenAI batch line needs a string \"custom_id\"")
+    custom_id = record["custom_id"]
+    if record.get("method", "POST") != "POST" or record.get("url") not in URLS:
+        raise ValueError(f"line {line} (custom_id {custom_id!r}): needs \"method\": \"POST\" and \"url\" one of "
+                         f"{', '.join(URLS)}")
+    try:
+        request = parse(URLS[record["url"]], record.get("body"))
+        refuse_in_batch(request)
+    except ApiError as err:
+        return Row(custom_id, line, openai=True, error=err)
+    return Row(custom_id, line, request, openai=True)
+
+
+def refuse_in_batch(request) -> None:
+    if request.stream:
+        raise ApiError(400, "stream is not supported in a batch job: every output line is a whole response",
+                       "stream")
 
 
 def error_record(row: Row) -> dict:
-    return {"id": row.id, "error": row.error}
+    """A row that was not decoded: {"id", "error"}, or in OpenAI's format the server's error body."""
+    if row.openai:
+        return openai_record(row, row.error.status, row.error.body())
+    return {"id": row.id, "error": str(row.error)}
 
 
-def result_record(row: Row, result: GenerationResult, prompt_tokens: int) -> dict:
-    """The output line of a finished row: id, text, finish_reason (eos | stop | length), usage
-    (token counts; an EOS that ended the text is not a completion token) and speculation stats."""
+def openai_record(row: Row, status: int, body: dict) -> dict:
+    """An OpenAI-format output line: the server's answer to the line's body."""
+    import uuid
+
+    return {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": row.id,
+            "response": {"status_code": status, "request_id": uuid.uuid4().hex, "body": body}, "error": None}
+
+
+def result_record(row: Row, result: GenerationResult, prompt_tokens: int, logprobs: dict | None = None) -> dict:
+    """A simple line's output: id, text, finish_reason (eos | stop | length), usage (token counts;
+    an EOS that ended the text is not a completion token), speculation stats, and the logprobs in
+    the server's shape when the line asked for them."""
     completion = len(result.token_ids) - int(result.finish_reason == "eos")
-    return {"id": row.id, "text": result.text, "finish_reason": result.finish_reason,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                      "total_tokens": prompt_tokens + completion},
-            "speculation": result.stats.to_dict()}
+    record = {"id": row.id, "text": result.text, "finish_reason": result.finish_reason,
+              "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                        "total_tokens": prompt_tokens + completion},
+              "speculation": result.stats.to_dict()}
+    if logprobs is not None:
+        record["logprobs"] = logprobs
+    return record

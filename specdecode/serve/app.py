@@ -4,7 +4,6 @@ EngineWorker. Handlers validate, build an engine Request, submit it and relay it
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import json
 import time
@@ -15,15 +14,11 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from specdecode.engine.request import Request
-from specdecode.sampling import SamplingParams
-from specdecode.serve import protocol
+from specdecode.frontend import responses as protocol
+from specdecode.frontend.schema import ApiError, ChatRequest, CompletionRequest, parse
 from specdecode.serve.metrics import Metrics
-from specdecode.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from specdecode.serve.worker import EngineWorker, Handle, QueueFull, ShuttingDown
 
-COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
-CHAT_DEFAULT_MAX_TOKENS = 1024         # chat has no OpenAI default: the room left, at most this
 DISCONNECT_POLL_S = 0.5
 MAX_BODY_BYTES = 8 << 20               # a larger body is refused before it is read
 
@@ -41,6 +36,7 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
                           on_step=lambda outputs, seconds: metrics_box[0].observe_step(outputs, seconds))
     metrics = Metrics((lambda: worker.num_waiting, lambda: worker.num_running))
     metrics_box.append(metrics)
+    texts = protocol.TokenTexts(decoder.tokenizer)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -113,12 +109,12 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
     async def generate(http: HttpRequest, kind, chat: bool):
         check_key(http)
         body = await read_json(http)
-        req = protocol.parse(kind, body)
+        req = parse(kind, body)
         if req.model != model_name:
             raise ApiError(404, f"model {req.model!r} does not exist; this server has {model_name!r}", "model",
                            "model_not_found")
         # Tokenizing a long prompt takes a while: off the event loop, so other streams flow meanwhile.
-        request, prompt_tokens = await asyncio.to_thread(build_request, decoder, req, chat)
+        request, prompt_tokens = await asyncio.to_thread(decoder.requests.from_wire, req)
         handle = Handle(request, asyncio.get_running_loop())
         try:
             worker.submit(handle)
@@ -135,14 +131,7 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
         if result is None:  # the client left; nobody reads this
             return Response(status_code=499)
         metrics.requests.labels(status="200").inc()
-        return protocol.full_response(ids, result, prompt_tokens, token_text, visible_text)
-
-    def token_text(token_id: int) -> str:
-        return decoder.tokenizer.decode([token_id])
-
-    def visible_text(token_id: int) -> str:
-        # what the token adds to the text (special tokens add nothing): text_offset counts this
-        return decoder.tokenizer.decode([token_id], skip_special_tokens=True)
+        return protocol.full_response(ids, result, prompt_tokens, texts)
 
     async def read_json(http: HttpRequest):
         declared = http.headers.get("content-length")
@@ -209,9 +198,9 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
             if handle.request.config.logprobs is None:
                 return None
             if ids.chat:
-                return protocol.chat_logprobs(entries, token_text)
-            body = protocol.completion_logprobs(entries, token_text, offset, visible_text)
-            offset += sum(len(visible_text(e.token_id)) for e in entries)
+                return protocol.chat_logprobs(entries, texts.token)
+            body = protocol.completion_logprobs(entries, texts.token, offset, texts.visible)
+            offset += sum(len(texts.visible(e.token_id)) for e in entries)
             return body
 
         try:
@@ -261,60 +250,3 @@ def failure(err: Exception) -> ApiError:
 
 def sse(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-def build_request(decoder, req, chat: bool) -> tuple[Request, int]:
-    """An engine Request from a validated body, and the prompt's token count.
-
-    Raises:
-        ApiError: 400 for a prompt the model cannot take (empty, ids outside the vocabulary, too
-            long with max_tokens, no chat template) or sampling values out of range.
-    """
-    tokenizer = decoder.tokenizer
-    param = "messages" if chat else "prompt"
-    try:
-        if chat:
-            if not getattr(tokenizer, "chat_template", None):
-                raise ValueError("this model has no chat template; use /v1/completions")
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        elif isinstance(req.prompt, str):
-            ids = tokenizer.encode(req.prompt, add_special_tokens=False) if req.prompt else []
-        else:
-            ids = list(req.prompt)
-        ids = decoder.encode(ids)
-    except (ValueError, TypeError) as err:  # also text the tokenizer cannot take (lone surrogates)
-        raise ApiError(400, str(err).splitlines()[0] if str(err) else "the prompt cannot be tokenized", param) from None
-    limit = decoder.target.backend.max_length
-    room = limit - len(ids) if limit is not None else None
-    default = COMPLETION_DEFAULT_MAX_TOKENS if not chat else min(CHAT_DEFAULT_MAX_TOKENS, room or CHAT_DEFAULT_MAX_TOKENS)
-    max_new = protocol.max_tokens(req, default)
-    if room is not None and max_new > room:
-        field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
-        raise ApiError(400, f"the prompt has {len(ids)} tokens and {field} is {max_new}: more than the model's "
-                            f"context of {limit} tokens", field)
-    try:
-        sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                                  top_p=1.0 if req.top_p is None else req.top_p,
-                                  top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, seed=req.seed,
-                                  repetition_penalty=req.repetition_penalty or 1.0,
-                                  presence_penalty=req.presence_penalty or 0.0,
-                                  frequency_penalty=req.frequency_penalty or 0.0)
-    except (ValueError, TypeError) as err:
-        raise ApiError(400, str(err)) from None
-    field = "grammar" if req.grammar is not None else "response_format"
-    try:
-        grammar = decoder.grammar(req.response_format, req.grammar)
-    except (ValueError, ImportError) as err:
-        raise ApiError(400, f"{field}: {err}", field) from None
-    try:
-        config = decoder.config(max_new, sampling, protocol.stops(req), logprobs=protocol.num_logprobs(req),
-                                grammar=grammar)
-    except (ValueError, TypeError) as err:
-        raise ApiError(400, str(err)) from None
-    if req.num_speculative_tokens is not None:
-        config = dataclasses.replace(config, num_speculative_tokens=req.num_speculative_tokens)
-    if decoder.is_encoder_decoder:
-        return Request([decoder.target.backend.decoder_start_token_id], config, encoder_input_ids=ids), len(ids)
-    return Request(ids, config), len(ids)

@@ -1,19 +1,14 @@
-"""The OpenAI wire format: request bodies validated into engine requests, results and step
-outputs turned into response bodies and stream chunks. Pure functions and dataclasses (no I/O).
+"""The OpenAI wire schema of a generation request, shared by the server and the batch job: the
+pydantic models of /v1/completions and /v1/chat/completions bodies and their validation.
 
-Errors are `ApiError(status, message, param)`, sent as {"error": {"message", "type", "param",
-"code"}}. Fields the engine cannot honour exactly yet (logit_bias, n > 1, tools, ...) are refused
-with a 400 naming the field rather than silently ignored.
-
-Logprobs are the target's raw log-probabilities (before penalties, grammar and temperature), in
-OpenAI's chat `logprobs.content[]` and legacy completions `logprobs` shapes; the EOS token that
-ends an output is not listed (nor counted in usage).
+Errors are `ApiError(status, message, param)`, answered as {"error": {"message", "type", "param",
+"code"}} (by the server as HTTP, by the batch job inside the output line). Fields the engine
+cannot honour exactly yet (logit_bias, n > 1, tools, ...) are refused with a 400 naming the field
+rather than silently ignored.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
@@ -160,101 +155,6 @@ def num_logprobs(request) -> int | None:
     return request.logprobs
 
 
-def chat_logprobs(entries, token_text) -> dict:
-    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}.
-    token_text: id → its text."""
-    def item(token_id, logprob):
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [item(e.token_id, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
-                        for e in entries]}
-
-
-def completion_logprobs(entries, token_text, offset: int = 0, visible_text=None) -> dict:
-    """Legacy completions `logprobs`: tokens, token_logprobs, top_logprobs ({text: logprob} per
-    token), text_offset (from `offset`, in characters of the text: visible_text(id) is what a
-    token adds to it, token_text by default)."""
-    tokens = [token_text(e.token_id) for e in entries]
-    offsets = []
-    for e in entries:
-        offsets.append(offset)
-        offset += len((visible_text or token_text)(e.token_id))
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
-
-
 def max_tokens(request, default: int) -> int:
     value = getattr(request, "max_completion_tokens", None) or request.max_tokens
     return value if value is not None else default
-
-
-def finish_reason(reason: str) -> str:
-    """The engine's eos | stop | length → OpenAI's stop | length."""
-    return "length" if reason == "length" else "stop"
-
-
-def speculation(stats) -> dict:
-    """The per-response `speculation` object (DESIGN.md §6 names)."""
-    return {"num_drafted": stats.num_drafted, "num_accepted": stats.num_accepted,
-            "acceptance_rate": stats.num_accepted / stats.num_drafted if stats.num_drafted else None,
-            "alpha_estimate": stats.alpha_estimate if stats.num_accepted + stats.num_rejected else None,
-            "mean_tokens_per_call": stats.mean_tokens_per_call, "num_target_calls": stats.num_target_calls,
-            "accepted_per_position": list(stats.accepted_per_position)}
-
-
-def usage(prompt_tokens: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
-
-
-class ResponseIds:
-    """The id, creation time and model name shared by a response's chunks."""
-
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
-
-    def base(self, chunk: bool) -> dict:
-        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-
-def full_response(ids: ResponseIds, result, prompt_tokens: int, token_text=None, visible_text=None) -> dict:
-    """The non-streamed body for a finished GenerationResult (token_text: id → text, for logprobs)."""
-    finished_by_eos = result.finish_reason == "eos"
-    choice = {"index": 0, "finish_reason": finish_reason(result.finish_reason), "logprobs": None}
-    if result.logprobs is not None:
-        entries = result.logprobs[:len(result.token_ids) - int(finished_by_eos)]
-        choice["logprobs"] = chat_logprobs(entries, token_text) if ids.chat else \
-            completion_logprobs(entries, token_text, 0, visible_text)
-    if ids.chat:
-        choice["message"] = {"role": "assistant", "content": result.text}
-    else:
-        choice["text"] = result.text
-    return {**ids.base(chunk=False), "choices": [choice],
-            "usage": usage(prompt_tokens, len(result.token_ids) - int(finished_by_eos)),
-            "speculation": speculation(result.stats)}
-
-
-def chunk(ids: ResponseIds, text: str | None, tokens: list[dict], finish: str | None = None,
-          role: bool = False, stats=None, logprobs: dict | None = None) -> dict:
-    """One SSE chunk: a delta of text (chat: role first), the tokens it holds with their origin
-    (an extension, for the live page), the finish reason on the last, running speculation stats,
-    and the chunk's logprobs (chat_logprobs / completion_logprobs of its tokens)."""
-    choice: dict = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
-    if ids.chat:
-        delta: dict = {}
-        if role:
-            delta["role"] = "assistant"
-        if text is not None:
-            delta["content"] = text
-        choice["delta"] = delta
-    else:
-        choice["text"] = text or ""
-    body = {**ids.base(chunk=True), "choices": [choice]}
-    if tokens:
-        body["tokens"] = tokens
-    if stats is not None:
-        body["speculation"] = speculation(stats)
-    return body

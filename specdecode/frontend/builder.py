@@ -1,0 +1,306 @@
+"""Every request, from every driver, becomes an engine Request here: the library's arguments
+(`SpeculativeDecoder.generate`), a server body and a batch line (both `frontend.schema` models).
+
+One place for: prompt validation and the chat template, sampling parameters from wire fields,
+logprobs, response_format/grammar, stops, the target's generation_config defaults, which requests
+the guard may pause (paper Cor. 3.9), and an encoder–decoder target's encoder input (paper §4.1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import threading
+import warnings
+
+from specdecode.engine.request import DecodeConfig, Request
+from specdecode.frontend.schema import MAX_LOGPROBS, ApiError, ChatRequest, CompletionRequest, max_tokens, \
+    num_logprobs, stops
+from specdecode.sampling import SamplingParams
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 1024         # chat has no OpenAI default: the room left, at most this
+
+# generation_config keys that do not shape the output distribution (ids, cache and output plumbing)
+_NOT_SAMPLING = {"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "transformers_version",
+                 "_from_model_config", "use_cache", "output_attentions", "output_hidden_states", "output_scores",
+                 "output_logits", "return_dict_in_generate", "cache_implementation", "cache_config",
+                 "return_legacy_cache", "is_assistant", "num_assistant_tokens", "num_assistant_tokens_schedule",
+                 "assistant_confidence_threshold", "_commit_hash"}
+# the ones we apply exactly (on top of the request's own settings)
+_APPLIED = ("repetition_penalty", "no_repeat_ngram_size")
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def generation_defaults(model) -> dict:
+    """The model's generation_config values we apply exactly ({name: value}: repetition_penalty,
+    no_repeat_ngram_size); warns once about the others that would shape transformers' output."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return {}
+    diff = {k: v for k, v in config.to_diff_dict().items() if k not in _NOT_SAMPLING}
+    applied = {}
+    if diff.get("repetition_penalty") not in (None, 1.0):
+        applied["repetition_penalty"] = float(diff["repetition_penalty"])
+    if diff.get("no_repeat_ngram_size"):
+        applied["no_repeat_ngram_size"] = int(diff["no_repeat_ngram_size"])
+    ignored = sorted(k for k in diff if k not in _APPLIED)
+    if ignored:
+        warnings.warn(f"the target's generation_config sets {', '.join(f'{k}={diff[k]!r}' for k in ignored)}: "
+                      "not applied (pass them in SamplingParams); applied: "
+                      f"{', '.join(f'{k}={v!r}' for k, v in applied.items()) or 'nothing'}", stacklevel=4)
+    return applied
+
+
+class RequestBuilder:
+    """Builds validated engine Requests for one loaded target.
+
+    Args:
+        tokenizer: the target's.  target: its backend (vocab_size, max_length; an encoder–decoder
+            one has decoder_start_token_id).  eos_token_ids: ids that end an output.
+        num_speculative_tokens: γ_max of every request (a server body may lower it).
+        gamma_schedule, verification: as DecodeConfig.  tree_width: the decoder's (lenience < 1
+            needs a chain).  guard_costs: (c, slope) for requests the guard may pause, or None.
+        defaults: generation_defaults() of the target ({} to ignore its generation_config).
+        is_encoder_decoder: the prompt is the encoder's input (paper §4.1).
+
+    Thread-safe: the lazily built grammar compiler is guarded by a lock (the server builds
+    requests in worker threads while the engine thread runs).
+    """
+
+    def __init__(self, tokenizer, target, eos_token_ids: frozenset[int], *, num_speculative_tokens: int,
+                 gamma_schedule: str = "fixed", verification: str = "token", tree_width: int = 1,
+                 guard_costs: tuple[float, float] | None = None, defaults: dict | None = None,
+                 is_encoder_decoder: bool = False):
+        self.tokenizer, self.target, self.eos_token_ids = tokenizer, target, eos_token_ids
+        self.num_speculative_tokens, self.gamma_schedule = num_speculative_tokens, gamma_schedule
+        self.verification, self.tree_width, self.guard_costs = verification, tree_width, guard_costs
+        self.defaults = defaults or {}
+        self.is_encoder_decoder = is_encoder_decoder
+        self._grammar_compiler = None
+        self._grammar_lock = threading.Lock()
+
+    @property
+    def has_chat_template(self) -> bool:
+        return not self.is_encoder_decoder and bool(getattr(self.tokenizer, "chat_template", None))
+
+    # --- prompts ---------------------------------------------------------------------------------
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """[{"role", "content"}, ...] through the target's chat template, ready for the reply.
+
+        Raises:
+            ValueError: the target has no chat template (or is an encoder–decoder model).
+        """
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template: give the prompt as plain text")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    def encode(self, prompt, chat: bool | None = None) -> list[int]:
+        """A string (chat template applied per `chat`: None applies it when the target has one) or
+        token ids (verbatim) → validated token ids. For an encoder–decoder target these are the
+        encoder's input: a string is tokenized with the tokenizer's special tokens (T5's closing
+        </s>) and never gets a chat template.
+
+        Raises:
+            ValueError: empty prompt, ids outside the vocabulary, chat=True without a template
+                (or with an encoder–decoder target), a prompt that fills the context window,
+                text the tokenizer cannot take.
+            TypeError: a prompt that is neither a string nor a list of token ids.
+        """
+        if isinstance(prompt, str) and self.is_encoder_decoder:
+            if chat:
+                raise ValueError("chat=True: an encoder-decoder target takes its prompt as plain encoder input")
+            ids = self._tokenize(prompt, special=True) if prompt else []
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty; give at least one character or token id")
+            if chat and not self.has_chat_template:
+                raise ValueError("chat=True, but the target's tokenizer has no chat template")
+            if chat or (chat is None and self.has_chat_template):
+                ids = self.chat_ids([{"role": "user", "content": prompt}])
+            else:
+                ids = self._tokenize(prompt, special=False)
+        elif isinstance(prompt, (list, tuple)):
+            try:
+                ids = [operator.index(t) for t in prompt]  # ints, numpy ints, 0-d int tensors
+            except TypeError:
+                raise ValueError("a token-id prompt must be a list of integers, got "
+                                 f"{[type(t).__name__ for t in prompt][:5]}") from None
+            if any(isinstance(t, bool) for t in prompt):
+                raise ValueError("a token-id prompt must be a list of integers, not booleans")
+        else:
+            raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return self.check_ids(ids)
+
+    def _tokenize(self, text: str, special: bool) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=special)
+        except (ValueError, TypeError) as err:  # e.g. lone surrogates: the tokenizer's own message is internal
+            raise ValueError(f"the prompt cannot be tokenized ({type(err).__name__}): is it valid Unicode text?") \
+                from None
+
+    def check_ids(self, ids: list[int]) -> list[int]:
+        """Raises ValueError for an empty prompt, ids outside the vocabulary or one that fills the context."""
+        if not ids:
+            raise ValueError("prompt is empty; give at least one character or token id")
+        vocab = self.target.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        limit = self.target.max_length
+        if limit is not None and len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens; the target's context window is {limit}")
+        return ids
+
+    def request(self, ids: list[int], config: DecodeConfig) -> Request:
+        """The engine Request for validated prompt ids: for an encoder–decoder target they are the
+        encoder's input and the decoder starts from decoder_start_token_id."""
+        if self.is_encoder_decoder:
+            return Request([self.target.decoder_start_token_id], config, encoder_input_ids=ids)
+        return Request(ids, config)
+
+    # --- how to decode ---------------------------------------------------------------------------
+
+    def grammar(self, response_format=None, grammar: str | None = None):
+        """The compiled specdecode.grammar.Grammar for a response_format or grammar string (None for neither).
+
+        Raises:
+            ValueError: an invalid response_format, schema, regex or grammar (the engine's message).
+            ImportError: xgrammar is not installed.
+        """
+        if response_format is None and grammar is None:
+            return None
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                from specdecode.grammar import GrammarCompiler
+
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.target.vocab_size, self.eos_token_ids)
+            return self._grammar_compiler.compile(response_format, grammar)
+
+    def config(self, max_new_tokens: int, sampling: SamplingParams | None = None, stop=None,
+               lenience: float = 1.0, logprobs: int | None = None, logits_processors=None,
+               response_format=None, grammar=None) -> DecodeConfig:
+        """The DecodeConfig of a request with these settings (validated); the target's
+        generation_config defaults are applied here. `grammar` may be an already compiled
+        specdecode.grammar.Grammar. Arguments as SpeculativeDecoder.generate.
+
+        Raises:
+            TypeError: an argument of the wrong type (named).
+            ValueError: max_new_tokens < 1, an empty stop string, lenience outside (0, 1], lenience
+                < 1 with verification="block" or tree_width > 1, logprobs outside [0, 20], a logits
+                processor that is not callable, an invalid response_format, schema or grammar.
+        """
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if sampling is None:
+            sampling = SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams (or, for a list of prompts, a list of them), "
+                            f"got {type(sampling).__name__}")
+        stop_strings = (stop,) if isinstance(stop, str) else (stop or ())
+        if not isinstance(stop_strings, (list, tuple)) or not all(isinstance(s, str) for s in stop_strings):
+            raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
+        if any(not s for s in stop_strings):
+            raise ValueError("stop strings must be non-empty")
+        if isinstance(lenience, bool) or not isinstance(lenience, (int, float)) or not 0 < lenience <= 1:
+            raise ValueError(f"lenience must be a number in (0, 1] (1 = exact; below 1 is lossy), got {lenience!r}")
+        if lenience != 1 and self.tree_width > 1:
+            raise ValueError(f"lenience {lenience} (lossy) needs tree_width=1; token trees are verified exactly")
+        if lenience != 1 and self.verification == "block":
+            raise ValueError(f"lenience {lenience} (lossy) needs verification='token'; this decoder verifies "
+                             "blocks, which is exact only")
+        if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (alternatives per token), "
+                             f"got {logprobs!r}")
+        processors = list(logits_processors or ())
+        if not all(callable(p) for p in processors):
+            raise ValueError("logits_processors must be callables processor(input_ids [1, T], scores [1, V]) -> scores")
+        from specdecode.grammar import Grammar
+
+        compiled = grammar if isinstance(grammar, Grammar) else self.grammar(response_format, grammar)
+        if "repetition_penalty" in self.defaults and sampling.repetition_penalty == 1.0:
+            sampling = dataclasses.replace(sampling, repetition_penalty=self.defaults["repetition_penalty"])
+        if "no_repeat_ngram_size" in self.defaults:
+            from transformers import NoRepeatNGramLogitsProcessor
+
+            processors.insert(0, NoRepeatNGramLogitsProcessor(self.defaults["no_repeat_ngram_size"]))
+        return DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling,
+                            num_speculative_tokens=self.num_speculative_tokens, eos_token_ids=self.eos_token_ids,
+                            stop=tuple(stop_strings), lenience=float(lenience),
+                            costs=self.guard_costs if self.guarded(sampling, lenience) else None,
+                            gamma_schedule=self.gamma_schedule, verification=self.verification, logprobs=logprobs,
+                            logits_processors=tuple(processors), grammar=compiled)
+
+    @staticmethod
+    def guarded(sampling: SamplingParams, lenience: float) -> bool:
+        """Whether the guard may pause this request's drafting. A seeded sampled request must give
+        the same output alone, in a batch and in another process (which measures its own c): not
+        guarded. Exact greedy output does not depend on when drafting pauses (up to bf16
+        near-ties); lenient greedy does (a paused step emits the argmax): not guarded either."""
+        return lenience == 1 if sampling.greedy else sampling.seed is None
+
+    # --- wire bodies -----------------------------------------------------------------------------
+
+    def from_wire(self, req: ChatRequest | CompletionRequest, template: bool | None = False) -> tuple[Request, int]:
+        """The engine Request of a validated server body or batch line, and its prompt's token count.
+
+        template: for a completions body with a string prompt, send it through the chat template
+            as one user message (None: when the target has one; the batch job's `prompt` lines).
+            A chat body always goes through the template.
+        Raises:
+            ApiError: 400 naming the field for a prompt the model cannot take (empty, ids outside
+                the vocabulary, too long with max_tokens, no chat template), sampling values out
+                of range or an invalid response_format/grammar.
+        """
+        chat = isinstance(req, ChatRequest)
+        param = "messages" if chat else "prompt"
+        try:
+            if chat:
+                ids = self.check_ids(self.chat_ids([{"role": m.role, "content": m.text()} for m in req.messages]))
+            else:
+                ids = self.encode(req.prompt, chat=template if isinstance(req.prompt, str) else None)
+        except (ValueError, TypeError) as err:
+            raise ApiError(400, str(err).splitlines()[0] if str(err) else "the prompt cannot be tokenized", param) \
+                from None
+        limit = self.target.max_length
+        room = limit - len(ids) if limit is not None else None
+        default = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS
+        if chat and room is not None:
+            default = min(default, room)
+        max_new = max_tokens(req, default)
+        if room is not None and max_new > room:
+            field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise ApiError(400, f"the prompt has {len(ids)} tokens and {field} is {max_new}: more than the model's "
+                                f"context of {limit} tokens", field)
+        try:
+            sampling = self.wire_sampling(req)
+        except (ValueError, TypeError) as err:
+            raise ApiError(400, str(err)) from None
+        field = "grammar" if req.grammar is not None else "response_format"
+        try:
+            grammar = self.grammar(req.response_format, req.grammar)
+        except (ValueError, ImportError) as err:
+            raise ApiError(400, f"{field}: {err}", field) from None
+        try:
+            config = self.config(max_new, sampling, stops(req), logprobs=num_logprobs(req), grammar=grammar)
+        except (ValueError, TypeError) as err:
+            raise ApiError(400, str(err)) from None
+        if req.num_speculative_tokens is not None:
+            config = dataclasses.replace(config, num_speculative_tokens=req.num_speculative_tokens)
+        return self.request(ids, config), len(ids)
+
+    @staticmethod
+    def wire_sampling(req: ChatRequest | CompletionRequest) -> SamplingParams:
+        """The one mapping of wire fields to SamplingParams (OpenAI's defaults where a field is absent)."""
+        return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                              top_p=1.0 if req.top_p is None else req.top_p,
+                              top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, seed=req.seed,
+                              repetition_penalty=req.repetition_penalty or 1.0,
+                              presence_penalty=req.presence_penalty or 0.0,
+                              frequency_penalty=req.frequency_penalty or 0.0)
