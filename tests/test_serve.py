@@ -519,3 +519,57 @@ def test_the_default_pair_serves_speculative_greedy_equal_to_plain_greedy():
         assert spec_chat.choices[0].message.content == plain_chat.choices[0].message.content != ""
     finally:
         assert s.stop() == 0
+
+
+def test_batch_in_openai_format_answers_each_line_with_the_servers_body(server, chat_model_dirs, tmp_path):
+    """`specdecode batch` on an OpenAI batch file (the format OpenAI's Batch API and vLLM's run-batch
+    read): each line's response is what the server answers to the same body, errors included."""
+    from specdecode.cli import main
+
+    def messages(text):
+        return [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
+
+    bodies = {
+        "chat-greedy": ("/v1/chat/completions", {"model": "tiny", "messages": messages("abc"), "max_tokens": 12,
+                                                 "temperature": 0, "logprobs": True, "top_logprobs": 2}),
+        "raw-greedy": ("/v1/completions", {"model": "tiny", "prompt": "the cafe", "max_tokens": 10,
+                                           "temperature": 0, "logprobs": 1, "stop": ["e b"]}),
+        "raw-seeded": ("/v1/completions", {"model": "tiny", "prompt": "bad bed", "max_tokens": 10,
+                                           "temperature": 0.9, "top_k": 8, "seed": 7, "presence_penalty": 0.5}),
+        "chat-json": ("/v1/chat/completions", {"model": "tiny", "messages": messages("gag"), "max_tokens": 8,
+                                               "temperature": 0, "grammar": "root ::= [a-c]+"}),
+        "bad-temperature": ("/v1/completions", {"model": "tiny", "prompt": "ace", "temperature": 5}),
+        "wizard": ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}),
+        "other-model": ("/v1/completions", {"model": "gpt-4o-mini", "prompt": "ace"}),
+        "too-long": ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 100000}),
+    }
+    source = tmp_path / "openai.jsonl"
+    source.write_text("".join(json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body}) + "\n"
+                              for cid, (url, body) in bodies.items()))
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(source), "--output", str(out), "--target", chat_model_dirs["target"], "--draft",
+                 chat_model_dirs["draft"], "--dtype", "float32", "--no-guard", "-k", "4",
+                 "--served-model-name", "tiny", "--max-batch-size", "1", "--quiet"]) == 0
+    # one row at a time, as the server answers them here: batched rows' logprobs differ in the last bits
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in lines) == sorted(bodies)
+
+    def comparable(body):
+        body = dict(body)
+        for key in ("id", "created"):
+            body.pop(key, None)
+        return body
+
+    for record in lines:
+        url, body = bodies[record["custom_id"]]
+        answer = httpx.post(server.url + url, json=body, timeout=60)
+        assert record["error"] is None and record["id"].startswith("batch_req_")
+        assert record["response"]["status_code"] == answer.status_code, record["custom_id"]
+        assert comparable(record["response"]["body"]) == comparable(answer.json()), record["custom_id"]
+    statuses = {r["custom_id"]: r["response"]["status_code"] for r in lines}
+    assert statuses == {"chat-greedy": 200, "raw-greedy": 200, "raw-seeded": 200, "chat-json": 200,
+                        "bad-temperature": 400, "wizard": 400, "other-model": 404, "too-long": 400}
+    # resumable: a rerun writes nothing new
+    assert main(["batch", str(source), "--output", str(out), "--target", chat_model_dirs["target"], "--draft",
+                 chat_model_dirs["draft"], "--dtype", "float32", "--no-guard", "--quiet"]) == 0
+    assert len(out.read_text().splitlines()) == len(bodies)

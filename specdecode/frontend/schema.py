@@ -158,3 +158,10 @@ def num_logprobs(request) -> int | None:
 def max_tokens(request, default: int) -> int:
     value = getattr(request, "max_completion_tokens", None) or request.max_tokens
     return value if value is not None else default
+
+
+def check_model(request, served: str) -> None:
+    """Raises ApiError 404 when the body names another model than the one served."""
+    if request.model != served:
+        raise ApiError(404, f"model {request.model!r} does not exist; this server has {served!r}", "model",
+                       "model_not_found")

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 from specdecode.engine.driver import Driver
 from specdecode.engine.request import Request
 from specdecode.frontend import responses
-from specdecode.frontend.schema import ApiError, ChatRequest
+from specdecode.frontend.schema import ApiError, ChatRequest, check_model
 from specdecode.scale.journal import OutputJournal
 from specdecode.scale.rows import (Row, RowDefaults, error_record, is_openai_line, openai_record, parse_line,
                                    result_record, row_key)
@@ -70,9 +70,8 @@ def build_request(decoder, row: Row, model: str) -> tuple[Request, int]:
         ApiError: what the server would answer to the row's body (400 for a prompt the model
             cannot take, 404 for an OpenAI-format body naming another model).
     """
-    if row.openai and row.request.model != model:
-        raise ApiError(404, f"model {row.request.model!r} does not exist; this job serves {model!r}", "model",
-                       "model_not_found")
+    if row.openai:
+        check_model(row.request, model)
     return decoder.requests.from_wire(row.request, row.template)
 
 

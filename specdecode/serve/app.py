@@ -15,7 +15,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException
 
 from specdecode.frontend import responses as protocol
-from specdecode.frontend.schema import ApiError, ChatRequest, CompletionRequest, parse
+from specdecode.frontend.schema import ApiError, ChatRequest, CompletionRequest, check_model, parse
 from specdecode.serve.metrics import Metrics
 from specdecode.serve.worker import EngineWorker, Handle, QueueFull, ShuttingDown
 
@@ -110,9 +110,7 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
         check_key(http)
         body = await read_json(http)
         req = parse(kind, body)
-        if req.model != model_name:
-            raise ApiError(404, f"model {req.model!r} does not exist; this server has {model_name!r}", "model",
-                           "model_not_found")
+        check_model(req, model_name)
         # Tokenizing a long prompt takes a while: off the event loop, so other streams flow meanwhile.
         request, prompt_tokens = await asyncio.to_thread(decoder.requests.from_wire, req)
         handle = Handle(request, asyncio.get_running_loop())
