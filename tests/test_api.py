@@ -224,7 +224,7 @@ def test_quantize_draft_never_changes_the_users_model(model_dirs, char_tokenizer
     greedy = SamplingParams(temperature=0)
     plain = SpeculativeDecoder(target, None, tokenizer=char_tokenizer).generate("abcab", max_new_tokens=20,
                                                                                sampling=greedy)
-    from specdecode.api import DEFAULT_DRAFT_QUANTIZATION
+    from specdecode.models.pair import DEFAULT_DRAFT_QUANTIZATION
 
     kinds = {None: None, False: None, "none": None, "int8": Int8Linear, "int4": Int4Linear}
     kinds[True] = kinds[DEFAULT_DRAFT_QUANTIZATION]

@@ -5,7 +5,7 @@ test_choice.py."""
 import pytest
 import torch
 
-import specdecode.api as api
+import specdecode.models.pair as pair
 from specdecode import SamplingParams, SpeculativeDecoder
 from specdecode.measure import autoconfig
 from specdecode.measure.choice import Choice
@@ -22,7 +22,7 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def timed_when_tiny(monkeypatch):
-    monkeypatch.setattr(api, "AUTO_MIN_PARAMETERS", 0)
+    monkeypatch.setattr(pair, "AUTO_MIN_PARAMETERS", 0)
 
 
 def _cached(model_dirs, choice: Choice, gamma: int = 8) -> None:

@@ -10,14 +10,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from specdecode.api import (
-    DEFAULT_DRAFT_CONFIDENCE,
-    DEFAULT_DRAFT_QUANTIZATION,
-    DEFAULT_GAMMA,
-    DEFAULT_GAMMA_SCHEDULE,
-    DEFAULT_VERIFICATION,
-    QUANTIZATIONS,
-)
+from specdecode.api import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_GAMMA, DEFAULT_GAMMA_SCHEDULE, DEFAULT_VERIFICATION
+from specdecode.models.pair import DEFAULT_DRAFT_QUANTIZATION, QUANTIZATIONS
 from specdecode.models import zoo
 
 # alpha and bench write here by default, one new folder per run, so that a run from the clone

@@ -37,7 +37,7 @@ from specdecode.engine.request import (ACCEPTED, BONUS, CORRECTED, TARGET, Decod
                                        Request, TokenEvent, TokenLogprob)
 from specdecode.engine.stats import GenerationStats
 from specdecode.processors import LogitsPipeline, build_pipeline
-from specdecode.proposers.base import Draft, no_draft
+from specdecode.proposers.base import Draft, no_draft, proposer_reads
 from specdecode.sampling import SamplingParams, adjust, make_generator, sample
 from specdecode.verify import block_step, greedy_lenient_step, speculative_step, tree_step
 
@@ -53,6 +53,33 @@ class StepOutput:
     num_drafted: int = 0
     num_accepted: int = 0
     stats: GenerationStats | None = None
+
+
+@dataclass
+class StepTimes:
+    """One step's timings (seconds), for the statistics and the batch cost model: the proposer's
+    (draft_s; of it, read_s reading read_tokens committed tokens) and the target call's
+    (target_s, over feeds padded to `fed` tokens)."""
+
+    draft_s: float = 0.0
+    read_s: float = 0.0
+    read_tokens: int = 0
+    target_s: float = 0.0
+    fed: int = 0
+
+
+@dataclass
+class Verdict:
+    """One row's verified step: n drafts accepted, the new tokens emitted (accepted drafts and
+    the target's next token) with their origins and logprobs; for a tree, its accepted path and
+    how many of those drafts lie on its chain (what the proposer keeps)."""
+
+    n: int
+    new: list[int]
+    origins: list[str]
+    logprobs: list
+    path: list[int] | None
+    kept_in_chain: int
 
 
 class _Row:
@@ -258,7 +285,8 @@ class Engine:
             self.proposer.select([])
 
     def step(self) -> list[StepOutput]:
-        """One target call for every running row (after admitting waiting requests)."""
+        """One target call for every running row (after admitting waiting requests), in the six
+        phases of the module docstring."""
         self._admit()
         outputs = {row.request_id: StepOutput(row.request_id, []) for row in self.running}
         limit = self.target.max_length
@@ -269,7 +297,27 @@ class Engine:
         rows = self.running
         if not rows:
             return list(outputs.values())
-        # 1 plan
+        ks = self._plan(rows)
+        prompt_read = any(len(row.pending) > 1 for row in rows)
+        drafts, times = self._propose(rows, ks)
+        logits = self._score(rows, drafts, times)
+        if self.cost is not None and not prompt_read:  # a prompt read is not a step's cost
+            self._observe_costs(rows, ks, drafts, times)
+        verdicts = []
+        for b, (row, draft) in enumerate(zip(rows, drafts)):
+            k = len(draft.tokens)
+            verdict = self._accept(row, draft, logits[b, logits.shape[1] - k - 1:])
+            self._emit(row, verdict, outputs[row.request_id])
+            self._record(row, draft, ks[b], verdict.n, outputs[row.request_id], times)
+            verdicts.append(verdict)
+        self._commit(rows, verdicts)
+        self._leave([row for row in rows if row.out.finish_reason is not None], outputs)
+        return list(outputs.values())
+
+    def _plan(self, rows: list[_Row]) -> list[int]:
+        """Phase 1: γ per row from its schedule and guard, clipped to its room; capped where fewer
+        drafts serve the batch better (engine.cost)."""
+        limit = self.target.max_length
         ks = [row.policy.plan(row.config.max_new_tokens - len(row.out.token_ids), limit, len(row.tokens))
               for row in rows]
         if self.first_step_plain:
@@ -278,83 +326,90 @@ class Engine:
             # reading the prompt first, which it does on the row's second step. γ is chosen from
             # the past only, so this is exact (§2.3).
             ks = [k if row.stats.num_target_calls else 0 for row, k in zip(rows, ks)]
-        prompt_read = any(len(row.pending) > 1 for row in rows)
-        if self.cost is not None:
-            ks = self._batch_plan(rows, ks)
-        # 2 propose
+        return self._batch_plan(rows, ks) if self.cost is not None else ks
+
+    def _propose(self, rows: list[_Row], ks: list[int]) -> tuple[list[Draft], StepTimes]:
+        """Phase 2: up to ks[b] drafts per row with their q, cut where a grammar forbids them."""
         synchronize(self.device)
-        t0 = time.perf_counter()
-        read_s = read_tokens = 0  # of the proposer's work, reading committed tokens (prompts, catching up)
+        start = time.perf_counter()
         if self.proposer is not None:
-            # (a proposer of a user's may not count them)
-            read_s, read_tokens = getattr(self.proposer, "read_s", 0.0), getattr(self.proposer, "read_tokens", 0)
+            read_before = proposer_reads(self.proposer)
             drafts = self.proposer.propose(rows, ks)
-            read_s = getattr(self.proposer, "read_s", 0.0) - read_s
-            read_tokens = getattr(self.proposer, "read_tokens", 0) - read_tokens
+            read_after = proposer_reads(self.proposer)
+            reads = (read_after[0] - read_before[0], read_after[1] - read_before[1])
         else:
-            drafts = [no_draft(self.target.vocab_size, self.device)] * len(rows)
+            drafts, reads = [no_draft(self.target.vocab_size, self.device)] * len(rows), (0.0, 0)
         if any(row.pipeline is not None and row.pipeline.grammar is not None for row in rows):
             drafts = [_cut_to_grammar(row, draft) for row, draft in zip(rows, drafts)]
         synchronize(self.device)
-        t1 = time.perf_counter()
-        # 3 score: one target call over every row's pending token(s) and drafts. A draft id the
-        # target cannot embed is fed as 0: the verifier rejects it, and what follows is discarded.
-        draft_ids = [d.tokens.tolist() for d in drafts]
+        return drafts, StepTimes(draft_s=time.perf_counter() - start, read_s=reads[0], read_tokens=reads[1])
+
+    def _score(self, rows: list[_Row], drafts: list[Draft], times: StepTimes) -> torch.Tensor:
+        """Phase 3: ONE target call over every row's pending token(s) and drafts → logits
+        [B, width, V], row b's last k_b + 1 positions scoring its drafts and the token after. A
+        draft id the target cannot embed is fed as 0: the verifier rejects it, and what follows
+        is discarded."""
+        start = time.perf_counter()
         embeddable = self.target.num_embeddings
-        feeds = [row.pending + [t if t < embeddable else 0 for t in ids] for row, ids in zip(rows, draft_ids)]
-        width = max(len(ids) for ids in draft_ids) + 1
+        feeds = [row.pending + [t if t < embeddable else 0 for t in d.tokens.tolist()] for row, d in zip(rows, drafts)]
+        width = max(len(d.tokens) for d in drafts) + 1
         trees = [d.parents for d in drafts]
         if any(t is not None for t in trees):  # token trees: one call with a tree mask (verify.tree_step)
             logits = self.target.forward(feeds, width, trees)
         else:
-            logits = self.target.forward(feeds, width)  # [B, width, V]
+            logits = self.target.forward(feeds, width)
         synchronize(self.device)
-        t2 = time.perf_counter()
-        if self.cost is not None and not prompt_read:  # a prompt read is not a step's cost
-            fed = max(len(f) for f in feeds)  # every row is padded to the widest feed
-            self.cost.observe_target(len(rows) * fed, fed, t2 - t1)
-            if read_s == 0:  # a read is a row's one-off cost, not a draft step's
-                self.cost.observe_draft(max(d.forwards for d in drafts), sum(k > 0 for k in ks), t1 - t0)
-            else:
-                self.cost.observe_read(read_tokens, read_s)
-            self._refresh_guards(rows)
-        # 4 accept and 5 commit, row by row with each row's generator
-        accepted, new_tokens, paths = [], [], []
-        for b, (row, draft, ids) in enumerate(zip(rows, drafts, draft_ids)):
-            k = len(ids)
-            if draft.parents is not None:
-                n, new, origins, path, n_kept_in_chain = verify_tree_row(
-                    draft, ids, logits[b, width - k - 1:], row.config, row.generator, row.stats)
-                positions = [0] + [node + 1 for node in path]  # logits row of each emitted token
-            else:
-                n, token = accept(draft.tokens, draft.probs if k else None, logits[b, width - k - 1:], row.config,
-                                  row.generator, row.pipeline, row.tokens)
-                new = ids[:n] + [token]
-                origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]
-                path, n_kept_in_chain = None, n
-                positions = list(range(n + 1))
-            token = new[-1]
-            paths.append(path)
-            logprobs = [None] * len(new) if row.config.logprobs is None else \
-                token_logprobs(logits[b, width - k - 1:][positions], new, row.config.logprobs)
-            output = outputs[row.request_id]
-            for token_id, origin, logprob in zip(new, origins, logprobs):
-                output.events.append(row.out.push(token_id, origin, logprob))
-                if row.out.finish_reason is not None:
-                    break
-            # 6 record
-            self._record(row, draft, ks[b], n, output, t1 - t0, t2 - t1)
-            row.tokens += new
-            row.pending = [token]
-            accepted.append(n_kept_in_chain)
-            new_tokens.append(new)
-        if any(t is not None for t in trees):
-            self.target.keep_tree_paths(paths)
+        times.target_s = time.perf_counter() - start
+        times.fed = max(len(f) for f in feeds)  # every row is padded to the widest feed
+        return logits
+
+    def _observe_costs(self, rows: list[_Row], ks: list[int], drafts: list[Draft], times: StepTimes) -> None:
+        """The batch cost model learns from this step's timings; guards get its current c and slope."""
+        self.cost.observe_target(len(rows) * times.fed, times.fed, times.target_s)
+        if times.read_s == 0:  # a read is a row's one-off cost, not a draft step's
+            self.cost.observe_draft(max(d.forwards for d in drafts), sum(k > 0 for k in ks), times.draft_s)
+        else:
+            self.cost.observe_read(times.read_tokens, times.read_s)
+        self._refresh_guards(rows)
+
+    @staticmethod
+    def _accept(row: _Row, draft: Draft, logits: torch.Tensor) -> Verdict:
+        """Phase 4: the row's drafts verified with its own generator (paper §2.3; a tree by
+        verify.tree_step). logits: [k + 1, V], the target's at the row's drafted positions."""
+        ids = draft.tokens.tolist()
+        k = len(ids)
+        if draft.parents is not None:
+            n, new, origins, path, kept = verify_tree_row(draft, ids, logits, row.config, row.generator, row.stats)
+            positions = [0] + [node + 1 for node in path]  # logits row of each emitted token
+        else:
+            n, token = accept(draft.tokens, draft.probs if k else None, logits, row.config, row.generator,
+                              row.pipeline, row.tokens)
+            new = ids[:n] + [token]
+            origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]
+            path, kept, positions = None, n, list(range(n + 1))
+        logprobs = [None] * len(new) if row.config.logprobs is None else \
+            token_logprobs(logits[positions], new, row.config.logprobs)
+        return Verdict(n, new, origins, logprobs, path, kept)
+
+    @staticmethod
+    def _emit(row: _Row, verdict: Verdict, output: StepOutput) -> None:
+        """Phase 5, per row: the new tokens, one by one through the row's stops (the output may
+        end inside them); the row's committed sequence grows by all of them (the caches too)."""
+        for token_id, origin, logprob in zip(verdict.new, verdict.origins, verdict.logprobs):
+            output.events.append(row.out.push(token_id, origin, logprob))
+            if row.out.finish_reason is not None:
+                break
+        row.tokens += verdict.new
+        row.pending = verdict.new[-1:]
+
+    def _commit(self, rows: list[_Row], verdicts: list[Verdict]) -> None:
+        """Phase 5, caches: the target's and the proposer's rolled back to exactly each row's
+        committed prefix (rule 5; a tree keeps its accepted path)."""
+        if any(v.path is not None for v in verdicts):
+            self.target.keep_tree_paths([v.path for v in verdicts])
         self.target.truncate([len(row.tokens) - 1 for row in rows])
         if self.proposer is not None:
-            self.proposer.commit(accepted, new_tokens)
-        self._leave([row for row in rows if row.out.finish_reason is not None], outputs)
-        return list(outputs.values())
+            self.proposer.commit([v.kept_in_chain for v in verdicts], [v.new for v in verdicts])
 
     def _batch_plan(self, rows: list[_Row], ks: list[int]) -> list[int]:
         """ks, with every guarded row's γ capped where fewer drafts serve the batch better (engine.cost)."""
@@ -389,15 +444,15 @@ class Engine:
                 guard.set_costs(*costs[k])
 
     @staticmethod
-    def _record(row: _Row, draft: Draft, planned: int, n: int, output: StepOutput, draft_s: float,
-                target_s: float) -> None:
+    def _record(row: _Row, draft: Draft, planned: int, n: int, output: StepOutput, times: StepTimes) -> None:
+        """Phase 6: the row's statistics and its γ policy learn from the step."""
         k = len(draft.chain)  # a tree's γ is its chain; its side leaves are extra candidates
         stats = row.stats
         drafted, kept = stats.num_drafted, stats.num_accepted
         stats.num_target_calls += 1
-        stats.time_target_s += target_s
+        stats.time_target_s += times.target_s
         if k:
-            stats.time_draft_s += draft_s
+            stats.time_draft_s += times.draft_s
         stats.num_draft_calls += draft.forwards
         stats.num_lookup_steps += int(draft.lookup)
         stats.record_step(k, n, len(output.events))

@@ -130,7 +130,7 @@ def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: li
             configs[f"specdecode γ={LENIENCE_GAMMA}, lenience {value:g} (lossy)"] = _our_runner(
                 target, lambda: DraftModelProposer(draft), LENIENCE_GAMMA, new_tokens, sampling, lenience=value)
     # As generate() does: the guard runs for greedy (and unseeded) requests; bench seeds every run.
-    configs["specdecode as configured"] = _our_runner(target, lambda: decoder._proposer(draft),
+    configs["specdecode as configured"] = _our_runner(target, lambda: decoder.proposer(draft),
                                                       decoder.num_speculative_tokens, new_tokens, sampling,
                                                       decoder.guard_costs if sampling.greedy else None,
                                                       gamma_schedule=decoder.gamma_schedule,
@@ -138,7 +138,7 @@ def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: li
     if compare_verification and draft is not None:
         other = "block" if decoder.verification == "token" else "token"
         configs[f"specdecode as configured, {other} verification"] = _our_runner(
-            target, lambda: decoder._proposer(draft), decoder.num_speculative_tokens, new_tokens, sampling,
+            target, lambda: decoder.proposer(draft), decoder.num_speculative_tokens, new_tokens, sampling,
             decoder.guard_costs if sampling.greedy else None, gamma_schedule=decoder.gamma_schedule,
             verification=other)
         for g in gammas:
@@ -146,7 +146,7 @@ def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: li
                 target, lambda: DraftModelProposer(draft), g, new_tokens, sampling, verification="block")
     for width in tree_widths if draft is not None else ():
         configs[f"specdecode as configured, tree width {width}"] = _our_runner(
-            target, lambda width=width: decoder._proposer(draft, tree_width=width), decoder.num_speculative_tokens,
+            target, lambda width=width: decoder.proposer(draft, tree_width=width), decoder.num_speculative_tokens,
             new_tokens, sampling, decoder.guard_costs if sampling.greedy else None,
             gamma_schedule=decoder.gamma_schedule)
     if not headline:
@@ -364,7 +364,7 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
         # As configured: the decoder's proposer, γ, guard (greedy rows) and batch cost model
         batch = batch_throughput(decoder.target.backend, draft, [ids for _, ids in prompts], list(batch_sizes),
                                  new_tokens, decoder.num_speculative_tokens, sampling,
-                                 make_proposer=lambda: decoder._proposer(draft),
+                                 make_proposer=lambda: decoder.proposer(draft),
                                  guard_costs=decoder.guard_costs if sampling.greedy else None,
                                  batch_guard=decoder.guard_costs is not None)
         body += ["", f"## Batches (the decoder as configured: γ ≤ {decoder.num_speculative_tokens}, its guard and "

@@ -74,3 +74,8 @@ class Proposer(Protocol):
     def commit(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
         """Row b kept its first num_accepted[b] drafts; new_tokens[b] (those drafts and the
         target's next token) now extend its committed prefix."""
+
+
+def proposer_reads(proposer) -> tuple[float, int]:
+    """(read_s, read_tokens) so far: a proposer of a user's may not count them (then 0, 0)."""
+    return getattr(proposer, "read_s", 0.0), getattr(proposer, "read_tokens", 0)

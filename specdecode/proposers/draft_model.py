@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -18,6 +18,26 @@ class _RowState:
     drafted: int = 0             # drafts made this step
     fed: int = 0                 # of which the cache holds the first `fed` (never the last)
     base: int = 0                # cache length with the pending tokens in, if they were fed
+
+
+class _Proposal:
+    """One row's proposal in the making (one propose() call): its drafts so far with their q, a
+    tree's parents and chain, what its cache has not been fed, and the plan k (lowered where
+    drafting stops early)."""
+
+    def __init__(self, b: int, row: DraftRow, k: int, state: _RowState, pipeline, tree_width: int):
+        self.b, self.row, self.k, self.state, self.pipeline = b, row, k, state, pipeline
+        # a row with a logits pipeline drafts a chain: its transforms follow one prefix per position
+        self.tree = tree_width > 1 and pipeline is None
+        self.tokens: list[int] = []
+        self.probs: list[torch.Tensor] = []
+        self.parents: list[int] = []   # tree: every node's parent
+        self.chain: list[int] = []     # tree: the chain's node indices
+        self.forwards = 0
+        # what the row's next forward must feed: its pending committed tokens, then its drafts so far
+        self.unfed: list[int] = list(state.pending) if k > 0 else []
+        self.pending_fed = False
+        self.fed = 0                   # drafts in the cache
 
 
 class DraftModelProposer:
@@ -89,106 +109,115 @@ class DraftModelProposer:
 
     def propose(self, rows: Sequence[DraftRow], ks: list[int]) -> list[Draft]:
         start = time.perf_counter()
-        backend, states = self.backend, self.rows
+        backend = self.backend
         ks = list(ks)
         if backend.max_length is not None:
             # the cache will hold the committed prefix and k − 1 drafts
             ks = [min(k, backend.max_length - (n + len(s.pending)) + 1)
-                  for k, n, s in zip(ks, backend.lengths, states)]
+                  for k, n, s in zip(ks, backend.lengths, self.rows)]
         lengths = backend.lengths
         if len(rows) > 1:
-            # A row that drafts for the first time reads its prompt alone (all but the last
-            # token, which goes with the batched forward), not padded into every other row's feed.
-            for b, (k, n, state) in enumerate(zip(ks, lengths, states)):
-                if k > 0 and n == 0 and len(state.pending) > 1:
-                    read_start = time.perf_counter()
-                    backend.fill(b, [self._feedable(t) for t in state.pending[:-1]])
-                    self.read_s += time.perf_counter() - read_start
-                    self.read_tokens += len(state.pending) - 1
-                    lengths[b], state.pending = len(state.pending) - 1, state.pending[-1:]
-        tokens: list[list[int]] = [[] for _ in rows]
-        probs: list[list[torch.Tensor]] = [[] for _ in rows]
-        parents: list[list[int]] = [[] for _ in rows]   # tree mode: every node's parent
-        chain: list[list[int]] = [[] for _ in rows]     # tree mode: the chain's node indices
-        forwards = [0] * len(rows)
-        # what each row's next forward must feed: its pending committed tokens, then its drafts so far
-        unfed = [list(state.pending) if k > 0 else [] for state, k in zip(states, ks)]
-        pending_fed = [False] * len(rows)
-        fed = [0] * len(rows)  # drafts in the cache
-        pipelines = [getattr(row, "pipeline", None) for row in rows]
-        # a row with a logits pipeline drafts a chain: its transforms follow one prefix per position
-        tree = [self.tree_width > 1 and pipeline is None for pipeline in pipelines]
+            self._read_prompts(ks, lengths)
+        plans = [_Proposal(b, row, k, self.rows[b], getattr(row, "pipeline", None), self.tree_width)
+                 for b, (row, k) in enumerate(zip(rows, ks))]
         for j in range(max(ks, default=0)):
-            live = [b for b in range(len(rows)) if j < ks[b]]
+            live = [p for p in plans if j < p.k]
             if not live:  # every row stopped early (dynamic γ)
                 break
-            need = []
-            for b in live:
-                forced = self._forced(pipelines[b], rows[b], tokens[b])
-                if forced is None:
-                    need.append(b)
-                    continue
-                if forced < 0:  # the grammar took its stop token: nothing can follow
-                    ks[b] = j
-                    continue
-                # the grammar allows one token: it is the draft, with one-hot q, and no forward
-                tokens[b].append(forced)
-                probs[b].append(torch.nn.functional.one_hot(
-                    torch.tensor(forced, device=backend.device), pipelines[b].vocab_size).float())
-                unfed[b].append(forced)
+            need = [p for p in live if not self._take_forced(p, j)]
             if not need:
                 continue
-            feeds = [[] for _ in rows]
-            for b in need:
-                feeds[b] = [self._feedable(t) for t in unfed[b]]
-                unfed[b], pending_fed[b] = [], True
-                fed[b] = len(chain[b]) if tree[b] else len(tokens[b])
-            forward_start = time.perf_counter()
-            logits = backend.forward(feeds, 1)[:, 0]  # [B, V]
-            if j == 0 and max(len(feed) for feed in feeds) > 2:
-                # a row catching up on tokens committed while it did not draft: a read, as a fill
-                self.read_s += time.perf_counter() - forward_start
-                self.read_tokens += sum(len(feed) for feed in feeds if len(feed) > 2)
-            for b in need:
-                row = rows[b]
-                forwards[b] += 1
-                scores = logits[b]
-                if pipelines[b] is not None:
-                    # the request's penalties, processors and grammar, with prefix committed + drafts so far
-                    scores = pipelines[b](row.tokens, tokens[b], scores[None], start=len(tokens[b]))[0]
-                    if not torch.isfinite(scores).any():  # nothing allowed within the draft's vocabulary
-                        ks[b] = j
-                        continue
-                q = adjust(scores, row.sampling)
-                token = int(q.argmax()) if row.sampling.greedy else int(sample(q, row.generator))
-                confidence = None
-                if self.confidence_threshold or tree[b]:
-                    confidence = float(torch.softmax(logits[b], -1)[token])
-                if tree[b]:
-                    parents[b].append(chain[b][-1] if chain[b] else -1)
-                    chain[b].append(len(tokens[b]))
-                tokens[b].append(token)
-                probs[b].append(q)
-                unfed[b].append(token)
-                if tree[b] and confidence < self.tree_confidence:
-                    self._branch(row, scores, q, token, tokens[b], probs[b], parents[b])
-                if self.confidence_threshold and j + 1 < ks[b] and confidence < self.confidence_threshold:
-                    ks[b] = j + 1
-        drafts = []
-        for b, state in enumerate(states):
-            state.drafted = len(chain[b]) if tree[b] else len(tokens[b])
-            state.fed = fed[b]
-            state.base = lengths[b] + (len(state.pending) if pending_fed[b] else 0)
-            if pending_fed[b]:
-                state.pending = []
-            if not tokens[b]:
-                drafts.append(no_draft(backend.vocab_size, backend.device))
-                continue
-            drafts.append(Draft(torch.tensor(tokens[b], dtype=torch.long, device=backend.device),
-                                torch.stack(probs[b]), forwards=forwards[b],
-                                parents=tuple(parents[b]) if tree[b] else None))
+            logits = self._forward(plans, need, j)
+            for p in need:
+                self._draft_next(p, logits[p.b], j)
+        drafts = [self._settle(p, lengths[p.b]) for p in plans]
         self.time_s += time.perf_counter() - start
         return drafts
+
+    def _read_prompts(self, ks: list[int], lengths: list[int]) -> None:
+        """In a batch, a row that drafts for the first time reads its prompt alone (all but the last
+        token, which goes with the batched forward), not padded into every other row's feed."""
+        for b, (k, n, state) in enumerate(zip(ks, lengths, self.rows)):
+            if k > 0 and n == 0 and len(state.pending) > 1:
+                read_start = time.perf_counter()
+                self.backend.fill(b, [self._feedable(t) for t in state.pending[:-1]])
+                self.read_s += time.perf_counter() - read_start
+                self.read_tokens += len(state.pending) - 1
+                lengths[b], state.pending = len(state.pending) - 1, state.pending[-1:]
+
+    def _take_forced(self, p: _Proposal, j: int) -> bool:
+        """Where the row's grammar allows one token, it is the draft (one-hot q, no forward); where
+        it took its stop token, the row's drafting ends. Returns whether the row needs no forward."""
+        if p.pipeline is None or p.pipeline.grammar is None:
+            return False
+        forced = p.pipeline.forced(p.row.tokens, p.tokens)
+        if forced is None:
+            return False
+        if forced < 0:  # the grammar took its stop token: nothing can follow
+            p.k = j
+            return True
+        p.tokens.append(forced)
+        p.probs.append(torch.nn.functional.one_hot(torch.tensor(forced, device=self.backend.device),
+                                                   p.pipeline.vocab_size).float())
+        p.unfed.append(forced)
+        return True
+
+    def _forward(self, plans: list[_Proposal], need: list[_Proposal], j: int) -> torch.Tensor:
+        """One draft forward for the rows that need one, each fed what its cache lacks (pending
+        committed tokens, then its drafts so far) → their next-token logits [B, V]."""
+        feeds = [[] for _ in plans]
+        for p in need:
+            feeds[p.b] = [self._feedable(t) for t in p.unfed]
+            p.unfed, p.pending_fed = [], True
+            p.fed = len(p.chain) if p.tree else len(p.tokens)
+        forward_start = time.perf_counter()
+        logits = self.backend.forward(feeds, 1)[:, 0]
+        if j == 0 and max(len(feed) for feed in feeds) > 2:
+            # a row catching up on tokens committed while it did not draft: a read, as a fill
+            self.read_s += time.perf_counter() - forward_start
+            self.read_tokens += sum(len(feed) for feed in feeds if len(feed) > 2)
+        return logits
+
+    def _draft_next(self, p: _Proposal, logits: torch.Tensor, j: int) -> None:
+        """Sample the row's next draft token from its adjusted logits (its own generator), branch
+        a tree where the draft is unsure, and stop drafting where it is less sure than the threshold."""
+        row = p.row
+        p.forwards += 1
+        scores = logits
+        if p.pipeline is not None:
+            # the request's penalties, processors and grammar, with prefix committed + drafts so far
+            scores = p.pipeline(row.tokens, p.tokens, scores[None], start=len(p.tokens))[0]
+            if not torch.isfinite(scores).any():  # nothing allowed within the draft's vocabulary
+                p.k = j
+                return
+        q = adjust(scores, row.sampling)
+        token = int(q.argmax()) if row.sampling.greedy else int(sample(q, row.generator))
+        confidence = None
+        if self.confidence_threshold or p.tree:
+            confidence = float(torch.softmax(logits, -1)[token])
+        if p.tree:
+            p.parents.append(p.chain[-1] if p.chain else -1)
+            p.chain.append(len(p.tokens))
+        p.tokens.append(token)
+        p.probs.append(q)
+        p.unfed.append(token)
+        if p.tree and confidence < self.tree_confidence:
+            self._branch(row, scores, q, token, p.tokens, p.probs, p.parents)
+        if self.confidence_threshold and j + 1 < p.k and confidence < self.confidence_threshold:
+            p.k = j + 1
+
+    def _settle(self, p: _Proposal, length: int) -> Draft:
+        """The row's Draft; its cache state noted for commit()."""
+        state = p.state
+        state.drafted = len(p.chain) if p.tree else len(p.tokens)
+        state.fed = p.fed
+        state.base = length + (len(state.pending) if p.pending_fed else 0)
+        if p.pending_fed:
+            state.pending = []
+        if not p.tokens:
+            return no_draft(self.backend.vocab_size, self.backend.device)
+        return Draft(torch.tensor(p.tokens, dtype=torch.long, device=self.backend.device), torch.stack(p.probs),
+                     forwards=p.forwards, parents=tuple(p.parents) if p.tree else None)
 
     def _branch(self, row: DraftRow, logits: torch.Tensor, q: torch.Tensor, token: int, tokens: list[int],
                 probs: list[torch.Tensor], parents: list[int]) -> None:
@@ -214,12 +243,6 @@ class DraftModelProposer:
             tokens.append(int(sample(remaining, row.generator)))
             probs.append(remaining)
             parents.append(parent)
-
-    @staticmethod
-    def _forced(pipeline, row, drafts: list[int]) -> int | None:
-        if pipeline is None or pipeline.grammar is None:
-            return None
-        return pipeline.forced(row.tokens, drafts)
 
     def unread(self) -> list[int]:
         """Per row, the committed tokens its cache has not read (a row that never drafted: all)."""
