@@ -216,6 +216,12 @@ def test_cli_refuses_a_prompt_file_that_is_not_utf8(tmp_path, capsys):
     assert "cannot read the prompt" in capsys.readouterr().err
 
 
+def test_quantize_draft_false_means_none_lean_forward_included(model_dirs, char_tokenizer):
+    lean = {q: SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float32", quantize_draft=q,
+                                  guard=False).draft.backend._lean is not None for q in (False, "none")}
+    assert lean == {False: True, "none": True}
+
+
 def test_quantize_draft_never_changes_the_users_model(model_dirs, char_tokenizer):
     from transformers import AutoModelForCausalLM
 

@@ -54,6 +54,8 @@ class Pair:
                  offload_folder: str | None = None, quantize_draft=None, draft_vocab_limit="auto",
                  num_speculative_tokens: int = 8, prompt_lookup: bool | None = None, tree_width: int = 1,
                  progress=None):
+        if quantize_draft is False:  # the same as "none": our copy keeps the lean forward either way
+            quantize_draft = "none"
         self.num_speculative_tokens = num_speculative_tokens
         self.prompt_lookup = (draft is not None) if prompt_lookup is None else prompt_lookup
         self.dtype = parse_dtype(dtype)
