@@ -4,6 +4,8 @@ request path (specdecode.frontend.builder) and the engine with its driver (specd
 
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Callable, Iterator
 
 from specdecode.engine.driver import Driver
@@ -33,27 +35,31 @@ DEFAULT_VERIFICATION = "token"
 
 class GenerationStream:
     """Iterate (once) for TokenEvents as tokens are accepted; `.result` is set when it ends.
-    Other calls on the same decoder may run meanwhile: their rows share the engine's batch.
-    `close()` aborts the request if it has not finished.
+    Other calls on the same decoder may run meanwhile (from any thread): their rows share the
+    engine's batch. `close()` aborts the request if it has not finished; so does dropping the
+    stream unfinished (its row leaves at the engine's next step).
 
     Raises (while iterating):
-        RuntimeError: iterated a second time.
+        RuntimeError: iterated a second time, or the batch's step failed in another caller.
     """
 
     def __init__(self, driver: Driver, request_id: int):
         self._driver, self._request_id = driver, request_id
         self._started = False
         self.result: GenerationResult | None = None
+        self._finalizer = weakref.finalize(self, driver.abandon, request_id)
 
     def __iter__(self) -> Iterator[TokenEvent]:
         if self._started:
             raise RuntimeError("a GenerationStream can be iterated only once")
         self._started = True
         self.result = yield from self._driver.stream(self._request_id)
+        self._finalizer.detach()
 
     def close(self) -> None:
         """Abort the request if it has not finished (its row leaves the batch)."""
         if self.result is None:
+            self._finalizer.detach()
             self._driver.abort(self._request_id)
 
 
@@ -201,7 +207,8 @@ class SpeculativeDecoder:
                 progress("measuring c (draft step / target step) and the verify cost r(γ+1) for the guard")
             self.guard_costs = guard_costs or measure_guard_costs(self.target.backend, self.draft.backend,
                                                                   self.num_speculative_tokens, self.is_encoder_decoder)
-        self.requests = RequestBuilder(self.tokenizer, self.target.backend, self.eos_token_ids,
+        # the request path's own tokenizer: requests are built in other threads than the engine's
+        self.requests = RequestBuilder(copy.deepcopy(self.tokenizer), self.target.backend, self.eos_token_ids,
                                        num_speculative_tokens=self.num_speculative_tokens,
                                        gamma_schedule=gamma_schedule, verification=verification,
                                        tree_width=tree_width, guard_costs=self.guard_costs,

@@ -43,6 +43,16 @@ def test_the_decoder_refuses_a_float64_draft_to_quantize_at_construction(char_to
     assert SpeculativeDecoder(target, draft, tokenizer=char_tokenizer, guard=False).draft is not None  # unquantized
 
 
+def test_a_float64_pair_by_path_decodes_with_the_default_quantization_and_says_why_not(model_dirs):
+    # the default picks what works (no int kernels for float64) and says so; greedy equals plain
+    with pytest.warns(UserWarning, match="float64 draft keeps its weights"):
+        decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float64", guard=False)
+    plain = SpeculativeDecoder(model_dirs["target"], None, dtype="float64")
+    greedy = SamplingParams(temperature=0)
+    assert decoder.generate("abc", max_new_tokens=12, sampling=greedy, chat=False).token_ids == \
+        plain.generate("abc", max_new_tokens=12, sampling=greedy, chat=False).token_ids
+
+
 @pytest.fixture
 def tiny_zoo(tmp_path, monkeypatch):
     """A zoo entry "tiny" (no parts needed: its models are built in the tests) and an empty cache."""

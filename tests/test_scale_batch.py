@@ -86,14 +86,59 @@ def test_duplicate_ids_and_a_foreign_output_file_exit_2_before_anything(model_di
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "abc"}, {"prompt": "ace"}])  # line 2 is id 2
     dup = write_jsonl(tmp_path / "dup.jsonl", [{"id": 2, "prompt": "abc"}, {"prompt": "ace"}])
     out = tmp_path / "out.jsonl"
-    assert main(["batch", dup, "--output", str(out), *models(model_dirs), "--quiet"]) == 2
-    assert "also on line 1" in capsys.readouterr().err and out.read_text() == ""
+    assert main(["batch", dup, "--output", str(out), *models(model_dirs)]) == 2
+    err = capsys.readouterr().err
+    assert "also on line 1" in err and not out.exists()  # no output file left behind
+    assert "loading" not in err  # refused before any model loads
     out.write_text("hello\n")
     assert main(["batch", inp, "--output", str(out), *models(model_dirs), "--quiet"]) == 2
     assert "not a batch output line" in capsys.readouterr().err and out.read_text() == "hello\n"
     with pytest.raises(SystemExit) as exit_info:
         main(["batch", inp, "--output", str(out), "--workers", "2"])
     assert exit_info.value.code == 2 and "--workers and --cpus-per-worker need --ray" in capsys.readouterr().err
+
+
+def test_lines_are_checked_like_server_bodies_before_any_model_loads(model_dirs, tmp_path, capsys):
+    rows = [{"id": "w", "messages": [{"role": "wizard", "content": "abc"}]},  # a role the server refuses
+            {"id": [1], "prompt": "abc"}, {"id": None, "prompt": "abc"},      # ids that are not ids
+            {"id": "k", "prompt": "abc", "top_k": "3"}, {"id": "ok", "prompt": "abc", "max_tokens": 4}]
+    inp, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    assert main(["batch", inp, "--output", str(out), *models(model_dirs), "--raw", "--quiet"]) == 0
+    records = read_jsonl(out)
+    errors = {json.dumps(r["id"]): r["error"] for r in records if "error" in r}
+    assert "messages.0.role" in errors['"w"'] and "top_k" in errors['"k"']
+    assert "id must be a string or an integer" in errors["2"] and "id must be" in errors["3"]
+    assert [r["id"] for r in records if "text" in r] == ["ok"]
+    # an OpenAI-format line that cannot be matched to its output stops the job before it starts
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"custom_id": "a", "url": "/v1/completions", "body": {}},
+                                               {"url": "/v1/completions", "body": {}}])
+    assert main(["batch", bad, "--output", str(tmp_path / "o2.jsonl"), *models(model_dirs)]) == 2
+    err = capsys.readouterr().err
+    assert 'line 2: an OpenAI batch line needs a string "custom_id"' in err and "loading" not in err
+    assert not (tmp_path / "o2.jsonl").exists()
+
+
+@pytest.mark.parametrize("signum,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_stops_the_job_with_a_summary_keeping_whole_lines(model_dirs, uninterrupted, tmp_path,
+                                                                            signum, status):
+    inp, expected = uninterrupted
+    out = tmp_path / "out.jsonl"
+    command, env = subprocess_job(model_dirs, inp, str(out))
+    command.remove("--quiet")
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n") >= 2):
+        time.sleep(0.01)
+    proc.send_signal(signum)
+    try:
+        _, err = proc.communicate(timeout=10)  # within a few seconds
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the job did not stop within 10 s of the signal")
+    assert proc.returncode == status, err
+    assert "interrupted;" in err and "rows done" in err and "run the same command again" in err
+    records = read_jsonl(out)  # whole lines only, each the uninterrupted text
+    assert 2 <= len(records) < 24 and all(expected[r["id"]] == r["text"] for r in records)
 
 
 def test_journal_keeps_whole_lines_and_cuts_only_a_half_line(tmp_path):

@@ -472,6 +472,36 @@ def test_completion_logprobs_are_the_same_with_and_without_speculation(server, p
     assert lp.text_offset == [sum(len(t) for t in visible[:i]) for i in range(len(lp.tokens))]
 
 
+def test_logprobs_cover_exactly_the_text_a_stop_string_leaves(server):
+    """The char tokenizer gives one character per token: the listed tokens must spell the returned
+    text, no more (a stop spanning two tokens cuts both), streamed or not, in both endpoints."""
+    def stop_inside(text):  # two characters (tokens) that first occur after the output's start
+        return next(text[i:i + 2] for i in range(3, len(text) - 1) if text.index(text[i:i + 2]) == i)
+
+    free = complete(server, "the cafe", max_tokens=24).choices[0].text
+    stop = stop_inside(free)
+    cut = free[:free.index(stop)]
+    full = complete(server, "the cafe", max_tokens=24, logprobs=1, stop=[stop]).choices[0]
+    assert full.text == cut and full.finish_reason == "stop"
+    assert "".join(full.logprobs.tokens) == cut and full.logprobs.text_offset == list(range(len(cut)))
+    streamed_tokens, offsets = [], []
+    for part in complete(server, "the cafe", max_tokens=24, logprobs=1, stop=[stop], stream=True):
+        if part.choices and part.choices[0].logprobs is not None:
+            streamed_tokens += part.choices[0].logprobs.tokens
+            offsets += part.choices[0].logprobs.text_offset
+    assert "".join(streamed_tokens) == cut and offsets == list(range(len(cut)))
+    free_chat = chat(server, "bad bed", max_tokens=24).choices[0].message.content
+    stop = stop_inside(free_chat)
+    cut = free_chat[:free_chat.index(stop)]
+    reply = chat(server, "bad bed", max_tokens=24, logprobs=True, stop=[stop]).choices[0]
+    assert reply.message.content == cut and "".join(c.token for c in reply.logprobs.content) == cut
+    streamed = []
+    for part in chat(server, "bad bed", max_tokens=24, logprobs=True, stop=[stop], stream=True):
+        if part.choices and part.choices[0].logprobs is not None:
+            streamed += [c.token for c in part.choices[0].logprobs.content]
+    assert "".join(streamed) == cut
+
+
 def test_chat_logprobs_stream_and_full_agree(server):
     full = chat(server, "abc", logprobs=True, top_logprobs=2, max_tokens=12)
     content = full.choices[0].logprobs.content

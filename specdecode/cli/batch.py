@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from specdecode.cli.common import (add_model_flags, add_served_name_flag, build_decoder, check_model_flags, error,
@@ -76,8 +77,18 @@ def run(args, parser) -> int:
     defaults = RowDefaults(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                            seed=args.seed, stop=tuple(args.stop), raw=args.raw,
                            model=served_name(args))
+    from specdecode.scale.batch import Interrupted, read_rows
+    from specdecode.scale.journal import scan
+
+    try:  # the whole input and the output checked before any model loads
+        read_rows(args.input, defaults)
+        scan(args.output)
+    except (ValueError, OSError) as err:
+        return error(err)
     progress = stderr_progress(args)
     bar = None if args.quiet else ProgressBar()
+    # SIGTERM stops the job as Ctrl-C does: the rows written so far stay, and a summary says so
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         if args.ray is not None:
             summary = _run_ray(args, parser, defaults, bar)
@@ -88,7 +99,14 @@ def run(args, parser) -> int:
             summary = run_batch(decoder, args.input, args.output, defaults, args.max_batch_size, bar)
     except (ValueError, OSError, ImportError) as err:
         return error(err)
+    except Interrupted as stopped:
+        if bar is not None:
+            bar.close()
+        print(f"specdecode: interrupted; {stopped.summary.line()}; run the same command again to finish",
+              file=sys.stderr)
+        return 143 if _terminated else 130
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if bar is not None:
             bar.close()
     if not args.quiet:
@@ -97,6 +115,15 @@ def run(args, parser) -> int:
                   "it was removed and its row done again", file=sys.stderr)
         print(f"specdecode: {summary.line()}", file=sys.stderr)
     return 0
+
+
+_terminated = False
+
+
+def _raise_interrupt(signum, frame):
+    global _terminated
+    _terminated = True
+    raise KeyboardInterrupt
 
 
 def _run_ray(args, parser, defaults, bar):

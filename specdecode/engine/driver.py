@@ -3,6 +3,7 @@ and tools. Every one of them only adds requests and routes what `Engine.step` re
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Callable, Iterable, Iterator
 
@@ -11,71 +12,131 @@ from specdecode.engine.request import DecodeConfig, GenerationResult, Request, T
 
 
 class Driver:
-    """Steps one engine on behalf of several waiting callers (one thread).
+    """Steps one engine on behalf of several waiting callers, from any number of threads.
 
     Events of a request submitted with keep_events are queued until its stream reads them;
-    results wait in `results` until taken.
+    results wait in `results` until taken. One lock guards the engine: callers in several threads
+    take turns stepping it, and each step serves every caller's rows.
+
+    A step that raises (a logits processor's error, Ctrl-C) fails the requests in the engine: the
+    engine starts clean (its caches may hold half a step), the caller that stepped gets the error,
+    and every other waiting caller gets a RuntimeError naming it; the next call is clean. A caller
+    interrupted between steps aborts its own request.
     """
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.events: dict[int, deque[TokenEvent]] = {}
         self.results: dict[int, GenerationResult] = {}
+        self.failed: dict[int, BaseException] = {}
+        self._lock = threading.RLock()
+        self._abandoned: deque[int] = deque()  # streams garbage-collected unfinished (any thread)
 
     def submit(self, request: Request, keep_events: bool = False) -> int:
-        request_id = self.engine.add(request)
-        if keep_events:
-            self.events[request_id] = deque()
-        return request_id
+        with self._lock:
+            request_id = self.engine.add(request)
+            if keep_events:
+                self.events[request_id] = deque()
+            return request_id
 
     def step(self) -> None:
-        for output in self.engine.step():
-            queue = self.events.get(output.request_id)
-            if queue is not None:
-                queue.extend(output.events)
-            if output.result is not None:
-                self.results[output.request_id] = output.result
+        with self._lock:
+            while self._abandoned:
+                self.abort(self._abandoned.popleft())
+            try:
+                outputs = self.engine.step()
+            except BaseException as err:
+                self._fail_all(err)
+                raise
+            for output in outputs:
+                queue = self.events.get(output.request_id)
+                if queue is not None:
+                    queue.extend(output.events)
+                if output.result is not None:
+                    self.results[output.request_id] = output.result
+
+    def _fail_all(self, err: BaseException) -> None:
+        ids = [row.request_id for row in self.engine.running] + [rid for rid, _ in self.engine.waiting]
+        self.engine.reset()
+        for request_id in ids:
+            self.failed[request_id] = RuntimeError(
+                f"a decoding step failed ({type(err).__name__}: {err}); every request running in it ended")
+
+    def _take(self, request_id: int) -> GenerationResult | None:
+        """The request's result once finished (None before); raises its failure."""
+        with self._lock:
+            if request_id in self.failed:
+                self.events.pop(request_id, None)
+                raise self.failed.pop(request_id)
+            if request_id in self.results:
+                self.events.pop(request_id, None)
+                return self.results.pop(request_id)
+            return None
 
     def result(self, request_id: int) -> GenerationResult:
         """Step until the request finishes; its result."""
-        while request_id not in self.results:
-            self.step()
-        self.events.pop(request_id, None)
-        return self.results.pop(request_id)
+        try:
+            while (result := self._take(request_id)) is None:
+                self.step()
+            return result
+        except BaseException:
+            self.abort(request_id)  # e.g. Ctrl-C between steps: the row must not run on
+            raise
 
     def stream(self, request_id: int) -> Iterator[TokenEvent]:
-        """The request's TokenEvents as they come; the generator's return value is its result."""
+        """The request's TokenEvents as they come; the generator's return value is its result.
+        Closing it early (or an exception in the caller) aborts the request."""
         queue = self.events[request_id]
-        while True:
-            while queue:
-                yield queue.popleft()
-            if request_id in self.results:
-                del self.events[request_id]
-                return self.results.pop(request_id)
-            self.step()
+        finished = False
+        try:
+            while True:
+                while queue:
+                    yield queue.popleft()
+                result = self._take(request_id)
+                if result is not None:
+                    finished = True
+                    return result
+                self.step()
+        finally:
+            if not finished:  # (from a finalizer too, perhaps mid-step in another thread: deferred)
+                self.abandon(request_id)
+
+    def abandon(self, request_id: int) -> None:
+        """Abort the request at the next step (safe from any thread, also a finalizer)."""
+        self._abandoned.append(request_id)
 
     def decode_all(self, items: Iterable, build: Callable, finish: Callable, batch_size: int) -> None:
         """Decode many items with at most batch_size in the engine; the next joins as one finishes.
         build(item) → (Request, context), or None to skip the item (the caller has answered it);
-        finish(item, GenerationResult, context) as each request finishes."""
+        finish(item, GenerationResult, context) as each request finishes. On an exception (a
+        failed step, Ctrl-C) the items still running are aborted."""
         waiting, active = deque(items), {}
-        while waiting or active:
-            while waiting and len(active) < batch_size:
-                item = waiting.popleft()
-                built = build(item)
-                if built is not None:
-                    active[self.submit(built[0])] = (item, built[1])
-            if not active:
-                continue
-            self.step()
-            for request_id in [r for r in active if r in self.results]:
-                item, context = active.pop(request_id)
-                finish(item, self.results.pop(request_id), context)
+        try:
+            while waiting or active:
+                while waiting and len(active) < batch_size:
+                    item = waiting.popleft()
+                    built = build(item)
+                    if built is not None:
+                        active[self.submit(built[0])] = (item, built[1])
+                if not active:
+                    continue
+                self.step()
+                for request_id in list(active):
+                    result = self._take(request_id)
+                    if result is not None:
+                        item, context = active.pop(request_id)
+                        finish(item, result, context)
+        except BaseException:
+            for request_id in active:
+                self.abort(request_id)
+            raise
 
     def abort(self, request_id: int) -> None:
-        self.engine.abort(request_id)
-        self.events.pop(request_id, None)
-        self.results.pop(request_id, None)
+        with self._lock:
+            self.engine.abort(request_id)
+            self.events.pop(request_id, None)
+            self.results.pop(request_id, None)
+            self.failed.pop(request_id, None)
 
 
 def run_all(target, proposer, requests: list[Request], tokenizer=None, max_batch_size: int | None = None,

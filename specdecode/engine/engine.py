@@ -111,7 +111,8 @@ class _Row:
         if self.policy.guard is not None:
             self.stats.num_guard_pauses = self.policy.guard.num_pauses
         return GenerationResult(self.out.text, self.out.token_ids, self.out.finish_reason, self.stats,
-                                self.out.origins, self.out.logprobs)
+                                self.out.origins, self.out.logprobs, self.out.text_offsets,
+                                self.out.num_text_tokens)
 
 
 def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor, config: DecodeConfig,

@@ -23,6 +23,8 @@ class Output:
         self.origins: list[str] = []
         self.logprobs: list[TokenLogprob] | None = [] if config.logprobs is not None else None
         self.text_parts: list[str] = []
+        self.text_offsets: list[int] = []  # per token: where its text starts, in characters
+        self._decoded = 0                  # characters the tokens have decoded to (stops not cut)
         self.finish_reason: str | None = None
 
     @property
@@ -37,6 +39,9 @@ class Output:
             self.logprobs.append(logprob)
         is_eos = token_id in self.config.eos_token_ids
         text = self.detok.push(token_id) if self.detok is not None and not is_eos else ""
+        offset = self._decoded
+        self.text_offsets.append(offset)
+        self._decoded += len(text)
         if is_eos:
             self.finish_reason = "eos"
         if self.stops is not None:
@@ -48,7 +53,7 @@ class Output:
         if self.finish_reason in ("eos", "length"):
             text += self._flush()
         self.text_parts.append(text)
-        return TokenEvent(token_id, text, origin, logprob)
+        return TokenEvent(token_id, text, origin, logprob, offset)
 
     def finish(self, reason: str) -> str:
         """End the output from outside (context full, abort); returns the text held back."""
@@ -56,6 +61,15 @@ class Output:
         text = self._flush() if reason == "length" else ""
         self.text_parts.append(text)
         return text
+
+    @property
+    def num_text_tokens(self) -> int:
+        """How many of token_ids the text covers: after a stop, the tokens whose text starts before
+        the cut (one in which the stop begins counts: part of its text is returned); otherwise all
+        but an EOS that ended the output."""
+        if self.finish_reason == "stop":
+            return sum(offset < len(self.text) for offset in self.text_offsets)
+        return len(self.token_ids) - int(self.finish_reason == "eos")
 
     def _flush(self) -> str:
         text = self.detok.flush() if self.detok is not None else ""

@@ -91,13 +91,16 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One emitted token, as streamed: its id, the text it completes, where it came from, and its
-    TokenLogprob when the request asked for logprobs."""
+    """One emitted token, as streamed: its id, the text it releases (stop strings may hold text
+    back), where it came from, its TokenLogprob when the request asked for logprobs, and where
+    its own text starts in the output, in characters (text_offset; a token that starts at or
+    after the end of a stopped output's text is not part of it)."""
 
     token_id: int
     text: str
     origin: str
     logprob: TokenLogprob | None = None
+    text_offset: int = 0
 
 
 @dataclass
@@ -108,6 +111,8 @@ class GenerationResult:
     stats: GenerationStats
     origins: list[str]    # per token: accepted | corrected | bonus | target
     logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for them
+    text_offsets: list[int] | None = None  # per token: where its text starts in `text`'s characters
+    num_text_tokens: int | None = None  # of token_ids, those with text in `text` (Output.num_text_tokens)
 
     def to_dict(self) -> dict:
         record = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,

@@ -67,8 +67,9 @@ class RequestBuilder:
         defaults: generation_defaults() of the target ({} to ignore its generation_config).
         is_encoder_decoder: the prompt is the encoder's input (paper §4.1).
 
-    Thread-safe: the lazily built grammar compiler is guarded by a lock (the server builds
-    requests in worker threads while the engine thread runs).
+    Thread-safe: the server builds requests in worker threads while the engine thread runs, so
+    give it a tokenizer of its own (not the engine's: a fast tokenizer refuses concurrent use);
+    tokenizing and the lazily built grammar compiler are behind one lock.
     """
 
     def __init__(self, tokenizer, target, eos_token_ids: frozenset[int], *, num_speculative_tokens: int,
@@ -81,7 +82,7 @@ class RequestBuilder:
         self.defaults = defaults or {}
         self.is_encoder_decoder = is_encoder_decoder
         self._grammar_compiler = None
-        self._grammar_lock = threading.Lock()
+        self._lock = threading.RLock()
 
     @property
     def has_chat_template(self) -> bool:
@@ -97,8 +98,13 @@ class RequestBuilder:
         """
         if not self.has_chat_template:
             raise ValueError("this model has no chat template: give the prompt as plain text")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
+        try:
+            with self._lock:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False)
+        except (UnicodeError, TypeError) as err:  # lone surrogates: the tokenizer's message is internal
+            raise ValueError(f"the messages cannot be tokenized ({type(err).__name__}): are they valid Unicode "
+                             "text?") from None
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
@@ -140,7 +146,8 @@ class RequestBuilder:
 
     def _tokenize(self, text: str, special: bool) -> list[int]:
         try:
-            return self.tokenizer.encode(text, add_special_tokens=special)
+            with self._lock:
+                return self.tokenizer.encode(text, add_special_tokens=special)
         except (ValueError, TypeError) as err:  # e.g. lone surrogates: the tokenizer's own message is internal
             raise ValueError(f"the prompt cannot be tokenized ({type(err).__name__}): is it valid Unicode text?") \
                 from None
@@ -176,7 +183,7 @@ class RequestBuilder:
         """
         if response_format is None and grammar is None:
             return None
-        with self._grammar_lock:
+        with self._lock:
             if self._grammar_compiler is None:
                 from specdecode.grammar import GrammarCompiler
 

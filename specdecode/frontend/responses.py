@@ -2,29 +2,16 @@
 step outputs turned into response bodies and stream chunks. Pure functions (no I/O).
 
 Logprobs are the target's raw log-probabilities (before penalties, grammar and temperature), in
-OpenAI's chat `logprobs.content[]` and legacy completions `logprobs` shapes; the EOS token that
-ends an output is not listed (nor counted in usage).
+OpenAI's chat `logprobs.content[]` and legacy completions `logprobs` shapes. They cover exactly
+the returned text: the EOS token that ends an output is not listed (nor counted in usage), and
+where a stop string ends the output, the tokens listed are those whose text starts before it
+(a token in which the stop begins is listed; `text_offset` never points past the text).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-
-
-class TokenTexts:
-    """A token's text two ways, for logprobs: `token(id)` as the tokenizer decodes it alone, and
-    `visible(id)` what it adds to the returned text (special tokens add nothing): text_offset
-    counts the latter."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def visible(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=True)
 
 
 def chat_logprobs(entries, token_text) -> dict:
@@ -38,17 +25,20 @@ def chat_logprobs(entries, token_text) -> dict:
                         for e in entries]}
 
 
-def completion_logprobs(entries, token_text, offset: int = 0, visible_text=None) -> dict:
+def completion_logprobs(entries, token_text, offsets: list[int]) -> dict:
     """Legacy completions `logprobs`: tokens, token_logprobs, top_logprobs ({text: logprob} per
-    token), text_offset (from `offset`, in characters of the text: visible_text(id) is what a
-    token adds to it, token_text by default)."""
-    tokens = [token_text(e.token_id) for e in entries]
-    offsets = []
-    for e in entries:
-        offsets.append(offset)
-        offset += len((visible_text or token_text)(e.token_id))
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+    token), text_offset (offsets: where each token's text starts in the returned text, characters)."""
+    return {"tokens": [token_text(e.token_id) for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": list(offsets)}
+
+
+def logprobs_body(chat: bool, entries, offsets: list[int], tokenizer) -> dict:
+    """The `logprobs` of a choice or chunk in the endpoint's shape. entries: TokenLogprobs of the
+    tokens whose text is returned (a stop may cut the output inside its last one)."""
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    return chat_logprobs(entries, token_text) if chat else completion_logprobs(entries, token_text, offsets)
 
 
 def finish_reason(reason: str) -> str:
@@ -82,14 +72,14 @@ class ResponseIds:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def full_response(ids: ResponseIds, result, prompt_tokens: int, texts: TokenTexts) -> dict:
-    """The non-streamed body for a finished GenerationResult (texts: the tokens' texts, for logprobs)."""
+def full_response(ids: ResponseIds, result, prompt_tokens: int, tokenizer) -> dict:
+    """The non-streamed body for a finished GenerationResult (tokenizer: for the logprobs' token texts).
+    Logprobs cover exactly the returned text (GenerationResult.num_text_tokens)."""
     finished_by_eos = result.finish_reason == "eos"
     choice = {"index": 0, "finish_reason": finish_reason(result.finish_reason), "logprobs": None}
     if result.logprobs is not None:
-        entries = result.logprobs[:len(result.token_ids) - int(finished_by_eos)]
-        choice["logprobs"] = chat_logprobs(entries, texts.token) if ids.chat else \
-            completion_logprobs(entries, texts.token, 0, texts.visible)
+        n = result.num_text_tokens
+        choice["logprobs"] = logprobs_body(ids.chat, result.logprobs[:n], result.text_offsets[:n], tokenizer)
     if ids.chat:
         choice["message"] = {"role": "assistant", "content": result.text}
     else:

@@ -11,7 +11,7 @@ import torch
 
 from specdecode.models import zoo
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16, "float64": torch.float64}
 
 
 def parse_dtype(dtype) -> torch.dtype:

@@ -9,6 +9,7 @@ pair (specdecode.measure.autoconfig; cached per machine), applied here.
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -194,6 +195,11 @@ class Pair:
         if bits and seq2seq:
             if asked:
                 raise ValueError("quantize_draft supports decoder-only drafts only")
+            bits = None
+        if bits and not asked and next(model.parameters()).dtype == torch.float64:
+            # the default picks what works: the int kernels take float32 and bfloat16 activations
+            warnings.warn("the float64 draft keeps its weights: the int8/int4 draft kernels need float32 or "
+                          "bfloat16 (quantize_draft='none' says so explicitly)", stacklevel=4)
             bits = None
         if bits:
             prepare_draft_cached(model, bits, None if given else spec, progress)

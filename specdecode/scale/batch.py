@@ -81,7 +81,6 @@ def decode_rows(decoder, rows: Iterable[Row], max_batch_size: int, model: str = 
     as one finishes), calling on_record with each row's output record as soon as it is final
     (error records at once). model: the job's served model name. Returns the records in the
     order they were made."""
-    texts = responses.TokenTexts(decoder.tokenizer)
     records = []
 
     def emit(record: dict) -> None:
@@ -100,7 +99,7 @@ def decode_rows(decoder, rows: Iterable[Row], max_batch_size: int, model: str = 
 
     def finish(row: Row, result, prompt_tokens: int) -> None:
         ids = responses.ResponseIds(isinstance(row.request, ChatRequest), model)
-        body = responses.full_response(ids, result, prompt_tokens, texts)
+        body = responses.full_response(ids, result, prompt_tokens, decoder.tokenizer)
         emit(openai_record(row, 200, body) if row.openai else
              result_record(row, result, prompt_tokens, body["choices"][0]["logprobs"]))
 
@@ -169,10 +168,12 @@ class Progress:
             self.on_update(self.summary, self.todo)
 
 
-def pending(input_path: str, journal: OutputJournal, defaults: RowDefaults) -> tuple[list[Row], int]:
-    """The input's rows whose ids the output does not hold yet, and the number of input rows."""
-    rows = read_rows(input_path, defaults)
-    return [row for row in rows if row_key(row.id) not in journal.done], len(rows)
+class Interrupted(Exception):
+    """Ctrl-C (or SIGTERM) stopped a job; `summary` holds what it wrote before."""
+
+    def __init__(self, summary: BatchSummary):
+        super().__init__("interrupted")
+        self.summary = summary
 
 
 def run_batch(decoder, input_path: str, output_path: str, defaults: RowDefaults = RowDefaults(),
@@ -193,17 +194,27 @@ def run_batch(decoder, input_path: str, output_path: str, defaults: RowDefaults 
 
 @contextlib.contextmanager
 def job(input_path: str, output_path: str, defaults: RowDefaults, on_update=None):
-    """The part of a run that does not decode, shared by the local and the Ray run: opens the
-    output journal, yields (rows still to do, the summary, write(record)) where write appends a
-    record and moves the progress, and stamps the wall time at the end."""
+    """The part of a run that does not decode, shared by the local and the Ray run: reads the
+    input (all of it checked before the output is opened or created), opens the output journal,
+    yields (rows still to do, the summary, write(record)) where write appends a record and moves
+    the progress, and stamps the wall time at the end.
+
+    Raises:
+        Interrupted: KeyboardInterrupt while the job ran (the rows written so far stay).
+    """
+    rows = read_rows(input_path, defaults)
     with OutputJournal(output_path) as journal:
-        rows, total = pending(input_path, journal, defaults)
-        summary = BatchSummary(rows=total, skipped=total - len(rows), cut_bytes=journal.cut_bytes)
-        progress = Progress(summary, len(rows), on_update)
+        todo = [row for row in rows if row_key(row.id) not in journal.done]
+        summary = BatchSummary(rows=len(rows), skipped=len(rows) - len(todo), cut_bytes=journal.cut_bytes)
+        progress = Progress(summary, len(todo), on_update)
 
         def write(record: dict) -> None:
             journal.append(record)
             progress(record)
 
-        yield rows, summary, write
+        try:
+            yield todo, summary, write
+        except KeyboardInterrupt:
+            summary.wall_time_s = time.perf_counter() - progress.start
+            raise Interrupted(summary) from None
         summary.wall_time_s = time.perf_counter() - progress.start

@@ -28,25 +28,10 @@ class OutputJournal:
 
     def __init__(self, path: str):
         self.path = path
-        self.done: set[str] = set()
-        self.cut_bytes = 0
-        data = b""
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                data = f.read()
-        whole = data[:data.rfind(b"\n") + 1]
-        for number, line in enumerate(whole.split(b"\n")[:-1], 1):
-            try:
-                record = json.loads(line)
-            except (ValueError, RecursionError):
-                record = None
-            if not isinstance(record, dict) or "id" not in record:
-                raise ValueError(f"{path}:{number} is not a batch output line (a JSON object with an \"id\"); "
-                                 "pass another --output or remove the file")
-            self.done.add(record_key(record))
-        if len(whole) < len(data):  # a crash mid-write: the row is done again
-            self.cut_bytes = len(data) - len(whole)
-            os.truncate(path, len(whole))
+        self.done, whole, size = scan(path)
+        self.cut_bytes = size - whole
+        if self.cut_bytes:  # a crash mid-write: the row is done again
+            os.truncate(path, whole)
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def append(self, record: dict) -> None:
@@ -67,3 +52,29 @@ class OutputJournal:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def scan(path: str) -> tuple[set[str], int, int]:
+    """What an output file holds, changing nothing: (the keys of its rows, the bytes of its whole
+    lines, its size); a missing file holds nothing.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: a complete line that is not a batch output line.
+    """
+    if not os.path.exists(path):
+        return set(), 0, 0
+    with open(path, "rb") as f:
+        data = f.read()
+    whole = data[:data.rfind(b"\n") + 1]
+    done = set()
+    for number, line in enumerate(whole.split(b"\n")[:-1], 1):
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            record = None
+        if not isinstance(record, dict) or not ("id" in record or "custom_id" in record):
+            raise ValueError(f"{path}:{number} is not a batch output line (a JSON object with an \"id\"); "
+                             "pass another --output or remove the file")
+        done.add(record_key(record))
+    return done, len(whole), len(data)

@@ -36,7 +36,6 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
                           on_step=lambda outputs, seconds: metrics_box[0].observe_step(outputs, seconds))
     metrics = Metrics((lambda: worker.num_waiting, lambda: worker.num_running))
     metrics_box.append(metrics)
-    texts = protocol.TokenTexts(decoder.tokenizer)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -129,7 +128,7 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
         if result is None:  # the client left; nobody reads this
             return Response(status_code=499)
         metrics.requests.labels(status="200").inc()
-        return protocol.full_response(ids, result, prompt_tokens, texts)
+        return protocol.full_response(ids, result, prompt_tokens, decoder.tokenizer)
 
     async def read_json(http: HttpRequest):
         declared = http.headers.get("content-length")
@@ -186,20 +185,23 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
 
     async def stream(handle: Handle, ids, prompt_tokens: int, include_usage: bool):
         outcome, state = "aborted", {}  # until the stream ends on its own
-        offset = 0  # legacy completions' text_offset, across chunks
+        waiting: list = []  # events whose logprobs wait until their text is sent (a stop may cut it)
+        sent = listed = 0   # characters of text sent; tokens whose logprobs were sent
 
         def chunk_logprobs(events, result=None):
-            nonlocal offset
-            entries = [e.logprob for e in events if e.logprob is not None]
-            if result is not None and result.finish_reason == "eos" and entries:
-                entries = entries[:-1]  # the EOS that ended the output is not listed
+            nonlocal sent, listed
             if handle.request.config.logprobs is None:
                 return None
-            if ids.chat:
-                return protocol.chat_logprobs(entries, texts.token)
-            body = protocol.completion_logprobs(entries, texts.token, offset, texts.visible)
-            offset += sum(len(texts.visible(e.token_id)) for e in entries)
-            return body
+            waiting.extend(events)
+            sent += sum(len(e.text) for e in events)
+            if result is None:  # a token whose text has started reaching the client is in the output
+                ready = next((i for i, e in enumerate(waiting) if e.text_offset >= sent), len(waiting))
+            else:  # the output's last tokens: those with text in it (result.num_text_tokens)
+                ready = result.num_text_tokens - listed
+            entries, waiting[:ready] = waiting[:ready], []
+            listed += len(entries)
+            return protocol.logprobs_body(ids.chat, [e.logprob for e in entries],
+                                          [e.text_offset for e in entries], decoder.tokenizer)
 
         try:
             if ids.chat:

@@ -89,7 +89,9 @@ class EngineWorker:
             if self.num_waiting >= self.max_queue + free:
                 raise QueueFull(f"{self.num_waiting} requests are waiting (--max-queue {self.max_queue})")
             self._pending += 1
-        self._inbox.put(("add", handle))
+            # under the lock: a submit that passed the check is in the inbox before shutdown()
+            # can set _stop, so the thread's last drain sees it and answers it
+            self._inbox.put(("add", handle))
         self._wake.set()
 
     def abort(self, handle: Handle) -> None:
@@ -113,6 +115,7 @@ class EngineWorker:
         while True:
             self._apply_inbox()
             if self._stop:
+                self._apply_inbox()  # what was submitted before _stop was set: answered below
                 self._abort_all(None)
                 return
             if not self.engine.has_work:

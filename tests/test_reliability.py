@@ -1,0 +1,178 @@
+"""The library under misuse and races: a failing or interrupted request fails alone, the facade is
+safe from several threads, an abandoned stream is freed, and the server's worker answers every
+request submitted while it shuts down. Tiny float32 models (greedy output is exact)."""
+
+import asyncio
+import gc
+import threading
+import time
+
+import pytest
+
+from specdecode import SamplingParams, SpeculativeDecoder
+
+GREEDY = SamplingParams(temperature=0)
+PROMPTS = ["abc", "hhh a", "the cafe", "bad bed", "ace", "dead beef"]
+
+
+@pytest.fixture(scope="module")
+def decoder(model_dirs):
+    return SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float32", guard=False,
+                              num_speculative_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def expected(decoder):
+    return {p: decoder.generate(p, max_new_tokens=16, sampling=GREEDY, chat=False).token_ids for p in PROMPTS}
+
+
+def failing_after(n, error):
+    """A logits processor that raises `error` once the output holds n tokens."""
+    def processor(input_ids, scores):
+        if input_ids.shape[1] >= 3 + n:  # the prompt "abc" is 3 tokens
+            raise error
+        return scores
+    return processor
+
+
+@pytest.mark.parametrize("error", [ValueError("bad processor"), KeyboardInterrupt()])
+def test_a_failing_or_interrupted_request_fails_alone_and_the_next_call_is_clean(decoder, expected, error):
+    with pytest.raises(type(error)):
+        decoder.generate("abc", max_new_tokens=16, sampling=GREEDY, chat=False,
+                         logits_processors=[failing_after(6, error)])
+    assert not decoder.engine.has_work  # its row left; its cache slots are free
+    assert decoder.generate("abc", max_new_tokens=16, sampling=GREEDY, chat=False).token_ids == expected["abc"]
+    # the same in a batch: the whole call fails, the decoder stays usable
+    with pytest.raises(type(error)):
+        decoder.generate(["abc", "ace"], max_new_tokens=16, sampling=GREEDY, chat=False,
+                         logits_processors=[failing_after(6, error)])
+    assert not decoder.engine.has_work
+    assert [r.token_ids for r in decoder.generate(PROMPTS, max_new_tokens=16, sampling=GREEDY, chat=False)] == \
+        [expected[p] for p in PROMPTS]
+
+
+def test_a_stream_that_fails_in_another_callers_step_raises_and_leaves_nothing(decoder, expected):
+    stream = decoder.generate("ace", max_new_tokens=16, sampling=GREEDY, chat=False, stream=True)
+    with pytest.raises(ValueError):  # this call's step also runs the stream's row
+        decoder.generate("abc", max_new_tokens=16, sampling=GREEDY, chat=False,
+                         logits_processors=[failing_after(2, ValueError("bad"))])
+    with pytest.raises(RuntimeError, match="a decoding step failed"):
+        list(stream)
+    assert not decoder.engine.has_work
+    assert decoder.generate("ace", max_new_tokens=16, sampling=GREEDY, chat=False).token_ids == expected["ace"]
+
+
+def test_several_threads_may_generate_on_one_decoder_at_once(decoder, expected):
+    results, errors = {}, []
+
+    def work(prompt):
+        try:
+            for _ in range(3):
+                results[prompt] = decoder.generate(prompt, max_new_tokens=16, sampling=GREEDY, chat=False).token_ids
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and all(not t.is_alive() for t in threads)
+    assert results == expected
+    assert not decoder.engine.has_work
+
+
+def test_a_dropped_stream_is_aborted_and_freed(decoder, expected):
+    stream = decoder.generate("dead beef", max_new_tokens=200, sampling=GREEDY, chat=False, stream=True)
+    next(iter(stream))  # one token, then the caller loses interest without close()
+    del stream
+    gc.collect()
+    assert decoder.generate("abc", max_new_tokens=16, sampling=GREEDY, chat=False).token_ids == expected["abc"]
+    assert not decoder.engine.has_work  # the dropped row left at that call's first step
+    never_read = decoder.generate("gag", max_new_tokens=200, sampling=GREEDY, chat=False, stream=True)
+    del never_read
+    gc.collect()
+    decoder.generate("abc", max_new_tokens=4, sampling=GREEDY, chat=False)
+    assert not decoder.engine.has_work
+
+
+def test_requests_built_in_many_threads_while_the_engine_decodes(decoder):
+    """The server builds requests in worker threads while the engine thread detokenizes: the
+    request path has its own tokenizer and locks its grammar compiler."""
+    assert decoder.requests.tokenizer is not decoder.engine.tokenizer
+    errors = []
+
+    def build(i):
+        try:
+            for _ in range(20):
+                decoder.requests.encode(PROMPTS[i % len(PROMPTS)] * 20, chat=False)
+                decoder.requests.grammar(grammar="root ::= [a-c]+" if i % 2 else "regex:[a-h ]{1,8}")
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    decoder.generate(PROMPTS, max_new_tokens=24, sampling=GREEDY, chat=False)
+    for t in threads:
+        t.join(120)
+    assert not errors
+
+
+def test_every_request_submitted_while_the_worker_shuts_down_gets_an_answer(decoder):
+    pytest.importorskip("fastapi")
+    from specdecode.serve.worker import EngineWorker, Handle, ShuttingDown
+
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
+    loop_thread.start()
+    try:
+        for attempt in range(5):
+            worker = EngineWorker(decoder.engine, max_queue=1000)
+            worker._inbox = SlowInbox(worker._inbox)  # widens the window between the check and the put
+            worker.start()
+            handles, refused = [], 0
+            request = decoder.request("abc", decoder.config(4, GREEDY), chat=False)
+
+            def submit_many():
+                nonlocal refused
+                for _ in range(50):
+                    handle = Handle(request, loop)
+                    try:
+                        worker.submit(handle)
+                    except ShuttingDown:
+                        refused += 1
+                    else:
+                        handles.append(handle)
+
+            submitter = threading.Thread(target=submit_many)
+            submitter.start()
+            worker.stop(timeout=60)
+            submitter.join(60)
+            for handle in handles:  # each gets a result or an error, then None or the error: never silence
+                future = asyncio.run_coroutine_threadsafe(_last_item(handle), loop)
+                future.result(timeout=30)
+            assert len(handles) + refused == 50
+            decoder.engine.reset()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join(10)
+
+
+class SlowInbox:
+    def __init__(self, inbox):
+        self.inbox = inbox
+
+    def put(self, item):
+        time.sleep(0.002)
+        self.inbox.put(item)
+
+    def get_nowait(self):
+        return self.inbox.get_nowait()
+
+
+async def _last_item(handle):
+    while True:
+        item = await handle.queue.get()
+        if item is None or isinstance(item, Exception):
+            return item
