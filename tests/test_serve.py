@@ -605,3 +605,74 @@ def test_batch_in_openai_format_answers_each_line_with_the_servers_body(server, 
     assert main(["batch", str(source), "--output", str(out), "--target", chat_model_dirs["target"], "--draft",
                  chat_model_dirs["draft"], "--dtype", "float32", "--no-guard", "--quiet"]) == 0
     assert len(out.read_text().splitlines()) == len(bodies)
+
+
+# --- safe by default against other sites and slow clients --------------------------------------
+
+def test_other_sites_cannot_drive_or_read_the_server(server):
+    body = b'{"model": "tiny", "prompt": "abc", "max_tokens": 2}'
+    url = server.url + "/v1/completions"
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):  # "simple" cross-site posts
+        headers = {"content-type": content_type} if content_type else {}
+        response = httpx.post(url, content=body, headers=headers, timeout=30)
+        assert response.status_code == 415 and "application/json" in response.json()["error"]["message"]
+    evil = httpx.post(url, content=body, timeout=30,
+                      headers={"content-type": "application/json", "origin": "https://evil.example"})
+    assert evil.status_code == 403 and evil.json()["error"]["type"] == "permission_error"
+    assert "access-control-allow-origin" not in evil.headers
+    own = httpx.post(url, content=body, timeout=30,
+                     headers={"content-type": "application/json", "origin": f"http://127.0.0.1:{server.port}"})
+    assert own.status_code == 200
+    rebound = httpx.get(server.url + "/v1/models", headers={"host": f"evil.example:{server.port}"}, timeout=30)
+    assert rebound.status_code == 400 and "--allowed-hosts" in rebound.json()["error"]["message"]
+    assert httpx.get(server.url + "/v1/models", headers={"host": f"localhost:{server.port}"}, timeout=30).status_code == 200
+    page = httpx.get(server.url + "/", timeout=30)
+    assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+    assert page.headers["x-content-type-options"] == "nosniff" and page.headers["x-frame-options"] == "DENY"
+
+
+def test_error_types_and_odd_text_get_clear_answers(server):
+    wrong_method = httpx.get(server.url + "/v1/completions", timeout=10)
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["type"] == "invalid_request_error"
+    surrogate = httpx.post(server.url + "/v1/completions", timeout=30, headers={"content-type": "application/json"},
+                           content=b'{"model": "tiny", "prompt": "ab\\ud800c"}')
+    assert surrogate.status_code == 400 and "Unicode" in surrogate.json()["error"]["message"]
+    chat_surrogate = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                                headers={"content-type": "application/json"},
+                                content=b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}')
+    assert chat_surrogate.status_code == 400 and "Unicode" in chat_surrogate.json()["error"]["message"]
+
+
+def test_slow_clients_are_cut_off_allowed_sites_work_and_ctrl_c_exits_130(chat_model_dirs):
+    s = Server(chat_model_dirs, "--timeout-request", "2", "--allowed-origins", "https://app.example",
+               "--allowed-hosts", "box.internal")
+    try:
+        slow = []
+        for i in range(40):  # half a request line, half the headers, half a body, or nothing at all
+            sock = socket.create_connection(("127.0.0.1", s.port))
+            sock.sendall([b"GET /health HT", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n",
+                          b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"model\": ", b""][i % 4])
+            slow.append(sock)
+        # others are answered meanwhile
+        assert complete(s, "abc", max_tokens=3).choices[0].text is not None
+        time.sleep(4)
+        for sock in slow:
+            sock.settimeout(5)
+            try:
+                data = sock.recv(1024)
+            except ConnectionResetError:
+                data = b""
+            assert data == b"" or data.startswith(b"HTTP/1.1 4"), data  # closed (or refused) by the server
+            sock.close()
+        assert complete(s, "abc", max_tokens=3).choices[0].text is not None
+        preflight = httpx.options(s.url + "/v1/completions", timeout=30, headers={
+            "origin": "https://app.example", "access-control-request-method": "POST"})
+        assert preflight.status_code == 204 and preflight.headers["access-control-allow-origin"] == "https://app.example"
+        allowed = httpx.post(s.url + "/v1/completions", timeout=60, json={"model": "tiny", "prompt": "a", "max_tokens": 2},
+                             headers={"origin": "https://app.example", "host": "box.internal"})
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "https://app.example"
+    finally:
+        if s.process.poll() is None:
+            s.process.send_signal(signal.SIGINT)
+        assert s.process.wait(timeout=60) == 130

@@ -27,6 +27,16 @@ def add_parser(sub) -> None:
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
     add_served_name_flag(serve)
+    serve.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST[,HOST]",
+                       help="Host names accepted besides the bound address and localhost (a DNS-rebinding guard); "
+                            "needed when clients reach a --host 0.0.0.0 server by another name; '*' accepts any")
+    serve.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN]",
+                       help="web pages (e.g. https://app.example.com) whose scripts may call the server; by default "
+                            "only its own page; '*' allows any")
+    serve.add_argument("--timeout-request", type=float, default=30.0, metavar="SECONDS",
+                       help="close a connection that takes longer than this to send a request (default: 30)")
+    serve.add_argument("--max-connections", type=int, default=256,
+                       help="concurrent connections and requests before new ones get 503 (default: 256)")
     serve.add_argument("--replicas", type=int, default=None, metavar="N",
                        help="run the server as N Ray Serve replicas (one process and decoder each) behind Ray "
                             "Serve's HTTP proxy on --host/--port; Ray restarts a replica that dies. Needs the [ray] "
@@ -48,10 +58,13 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     if args.max_batch_size < 1 or args.max_queue < 0:
         parser.error("--max-batch-size must be >= 1 and --max-queue >= 0")
+    if not args.timeout_request > 0 or args.max_connections < 1:
+        parser.error("--timeout-request must be > 0 and --max-connections >= 1")
     try:
         import uvicorn
 
         from specdecode.serve.app import create_app
+        from specdecode.serve.security import timed_protocol
     except ImportError as err:
         parser.error(f"serve needs the [serve] extra: pip install -e '.[serve]' ({err})")
     autoscale = _check_replica_flags(args, parser)
@@ -63,27 +76,42 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     except (ValueError, FileNotFoundError) as err:
         return error(err)
     name = served_name(args)
-    app = create_app(decoder, model_name=name, max_queue=args.max_queue, api_key=args.api_key)
+    app = create_app(decoder, model_name=name, **app_options(args))
     if progress:
         progress(f"serving {name!r} on http://{args.host}:{args.port} (page: /, API: /v1, metrics: /metrics)")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=10,
-                                           log_level="warning" if args.quiet else "info"))
+                                           log_level="warning" if args.quiet else "info",
+                                           http=timed_protocol(args.timeout_request),
+                                           limit_concurrency=args.max_connections))
     # On SIGINT/SIGTERM, first end every in-flight request (streams get an error event and
     # [DONE], waiting clients a 503), so uvicorn's graceful shutdown finds no open request to cut.
-    # uvicorn then re-raises the signal under the handler that was there before it: for SIGTERM
-    # that is this no-op, so the process exits 0.
+    # uvicorn then re-raises the signal under the handler that was there before it: these no-ops,
+    # so the process ends through the return below.
     uvicorn_exit = server.handle_exit
+    signals = []
 
     def handle_exit(signum, frame):
+        signals.append(signum)
         app.state.worker.shutdown()
         uvicorn_exit(signum, frame)
 
     server.handle_exit = handle_exit
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    signal.signal(signal.SIGINT, lambda signum, frame: None)  # (uvicorn re-raises it when it ends)
     server.run()
     if progress:
         print("specdecode: server stopped", file=sys.stderr)
-    return 0
+    # SIGTERM is how a service is stopped: 0; Ctrl-C exits 130, as every command does
+    return 130 if signal.SIGINT in signals else 0
+
+
+def app_options(args) -> dict:
+    """create_app's options from the flags."""
+    def listed(values):
+        return tuple(v.strip() for value in values for v in value.split(",") if v.strip())
+
+    return dict(max_queue=args.max_queue, api_key=args.api_key, host=args.host, port=args.port,
+                allowed_hosts=listed(args.allowed_hosts), allowed_origins=listed(args.allowed_origins))
 
 
 def _check_replica_flags(args, parser) -> tuple[int, int] | None:
@@ -131,9 +159,11 @@ def _run_replicas(args, parser, autoscale) -> int:
     # removed). Set again after ray.init, which installs its own crash handlers.
     stopping = threading.Event()
 
+    signals = []
+
     def catch_signals():
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda signum, frame: stopping.set())
+            signal.signal(signum, lambda signum, frame: (signals.append(signum), stopping.set()))
 
     catch_signals()
     started = False
@@ -144,7 +174,7 @@ def _run_replicas(args, parser, autoscale) -> int:
         # are reservations; the replicas' torch threads share the real cores)
         started = cluster.connect(args.ray, args.quiet, num_cpus=max(os.cpu_count() or 1, int(most * cpus + 0.999)))
         catch_signals()
-        ray_serve.start(ray_serve.deployment(kwargs, name, args.max_queue, args.api_key, plan), args.host, args.port)
+        ray_serve.start(ray_serve.deployment(kwargs, name, app_options(args), plan), args.host, args.port)
     except (ConnectionError, RuntimeError, ValueError) as err:
         cluster.disconnect(started)
         return error(err)
@@ -158,4 +188,4 @@ def _run_replicas(args, parser, autoscale) -> int:
     cluster.disconnect(started)
     if not args.quiet:
         print("specdecode: replicas stopped", file=sys.stderr)
-    return 0
+    return 130 if signal.SIGINT in signals else 0

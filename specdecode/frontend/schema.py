@@ -26,8 +26,8 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                429: "rate_limit_error"}.get(self.status, "server_error")
+        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                429: "rate_limit_error"}.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 

@@ -20,17 +20,17 @@ class SpecdecodeReplica:
     """One replica: builds its SpeculativeDecoder from plain arguments, then the FastAPI app over it
     (Ray Serve runs the app's lifespan, which starts and stops the engine worker)."""
 
-    def __init__(self, decoder_kwargs: dict, model_name: str, max_queue: int, api_key: str | None):
+    def __init__(self, decoder_kwargs: dict, model_name: str, app_options: dict):
         from specdecode import SpeculativeDecoder
 
         use_assigned_cpus()
         self.decoder = SpeculativeDecoder(**decoder_kwargs)
-        self.model_name, self.max_queue, self.api_key = model_name, max_queue, api_key
+        self.model_name, self.app_options = model_name, app_options
 
     def __serve_build_asgi_app__(self):
         from specdecode.serve.app import create_app
 
-        return create_app(self.decoder, model_name=self.model_name, max_queue=self.max_queue, api_key=self.api_key)
+        return create_app(self.decoder, model_name=self.model_name, **self.app_options)
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,9 @@ class Replicas:
     autoscale: tuple[int, int] | None = None
 
 
-def deployment(decoder_kwargs: dict, model_name: str, max_queue: int, api_key: str | None, plan: Replicas):
-    """The bound Ray Serve application (pass to serve.run)."""
+def deployment(decoder_kwargs: dict, model_name: str, app_options: dict, plan: Replicas):
+    """The bound Ray Serve application (pass to serve.run). app_options: create_app's keyword
+    arguments (max_queue, api_key, host, port, allowed_hosts, allowed_origins)."""
     options = dict(ray_actor_options={"num_cpus": plan.cpus}, max_ongoing_requests=plan.max_ongoing,
                    health_check_period_s=2, graceful_shutdown_timeout_s=10)
     if plan.autoscale is None:
@@ -63,7 +64,7 @@ def deployment(decoder_kwargs: dict, model_name: str, max_queue: int, api_key: s
                                          "initial_replicas": min(max(plan.replicas, low), high),
                                          "target_ongoing_requests": plan.max_batch_size}
     return serve.deployment(SpecdecodeReplica, name="SpecdecodeReplica", **options).bind(
-        decoder_kwargs, model_name, max_queue, api_key)
+        decoder_kwargs, model_name, app_options)
 
 
 def start(app, host: str, port: int) -> None:

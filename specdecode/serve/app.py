@@ -17,19 +17,23 @@ from starlette.exceptions import HTTPException
 from specdecode.frontend import responses as protocol
 from specdecode.frontend.schema import ApiError, ChatRequest, CompletionRequest, check_model, parse
 from specdecode.serve.metrics import Metrics
+from specdecode.serve.security import RequestGuard
 from specdecode.serve.worker import EngineWorker, Handle, QueueFull, ShuttingDown
 
 DISCONNECT_POLL_S = 0.5
 MAX_BODY_BYTES = 8 << 20               # a larger body is refused before it is read
 
 
-def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | None = None) -> FastAPI:
+def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | None = None,
+               host: str = "127.0.0.1", port: int = 8000, allowed_hosts=(), allowed_origins=()) -> FastAPI:
     """The server for a loaded SpeculativeDecoder; its engine is owned by the app's worker from now on.
 
     Args:
         decoder: a SpeculativeDecoder (models loaded).  model_name: the id clients send as `model`.
         max_queue: requests that may wait for a free row before 429.  api_key: if set, /v1/*
             needs `Authorization: Bearer <api_key>`.
+        host, port: where the server listens; with allowed_hosts and allowed_origins, what
+            serve.security.RequestGuard accepts (other sites' pages and rebound names are refused).
     """
     metrics_box: list[Metrics] = []
     worker = EngineWorker(decoder.engine, max_queue,
@@ -45,6 +49,8 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
 
     app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker, app.state.metrics, app.state.decoder = worker, metrics, decoder
+    app.add_middleware(RequestGuard, bound_host=host, port=port, allowed_hosts=tuple(allowed_hosts),
+                       allowed_origins=tuple(allowed_origins))
 
     @app.exception_handler(ApiError)
     async def api_error(_, err: ApiError):
