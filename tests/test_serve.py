@@ -416,7 +416,7 @@ def test_a_non_streaming_client_that_hangs_up_frees_its_row(server):
     body = json.dumps({"model": "tiny", "prompt": "a", "max_tokens": 250, "temperature": 0,
                        "num_speculative_tokens": 0}).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     deadline = time.monotonic() + 30
     while metric(server, "specdecode:num_requests_running") > 0 and time.monotonic() < deadline:
