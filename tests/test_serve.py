@@ -334,6 +334,11 @@ def test_the_live_page_colours_streamed_tokens_by_origin_in_headless_chromium(se
         prompt.send_keys("abc")
         browser.find_element(By.ID, "max_tokens").clear()
         browser.find_element(By.ID, "max_tokens").send_keys("30")
+        # every text the status line shows, in order (the prompt read is too quick to catch by polling)
+        browser.execute_script(
+            "window.seen = []; new MutationObserver(() => window.seen.push(document.getElementById('status')"
+            ".textContent)).observe(document.getElementById('status'), {childList: true, characterData: true,"
+            " subtree: true});")
         browser.find_element(By.ID, "generate").click()
         WebDriverWait(browser, 90).until(lambda b: b.find_element(By.ID, "generate").is_enabled()
                                          and b.find_elements(By.CSS_SELECTOR, "#output span"))
@@ -346,6 +351,10 @@ def test_the_live_page_colours_streamed_tokens_by_origin_in_headless_chromium(se
         stats = browser.find_element(By.ID, "stats").text
         assert "acceptance rate" in stats and "–" not in browser.find_element(By.ID, "per_call").text
         assert browser.find_element(By.ID, "error").text == ""
+        seen = browser.execute_script("return window.seen")
+        assert seen[0] == "reading the prompt…" and seen[1] == "writing…" and seen[-1].startswith("done: 30 tokens")
+        counts = [int(b.get_attribute("textContent")) for b in browser.find_elements(By.CSS_SELECTOR, "#bars b")]
+        assert counts and browser.find_element(By.ID, "axis_top").text == str(max(counts))  # the bars' scale
         browser.save_screenshot(os.environ.get("SPECDECODE_PAGE_SCREENSHOT", "/tmp/specdecode_page.png"))
     finally:
         browser.quit()
