@@ -50,7 +50,7 @@ def outputs(tmp_path) -> dict:
 
     app = create_app(decoder, model_name="m")
     out["server_chat"], out["server_completions"] = [], []
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1:8000") as client:
         for prompt in PROMPTS:
             body = {"model": "m", "max_tokens": NEW_TOKENS, "temperature": 0}
             chat = client.post("/v1/chat/completions", json=body | {"messages": [{"role": "user", "content": prompt}]})
