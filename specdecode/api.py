@@ -11,7 +11,8 @@ from typing import Callable, Iterator
 from specdecode.engine.driver import Driver
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import VERIFICATIONS, DecodeConfig, GenerationResult, Request, TokenEvent
-from specdecode.frontend.builder import RequestBuilder, generation_defaults, is_int as _is_int
+from specdecode.frontend.builder import RequestBuilder, choice_samplings, generation_defaults, is_int as _is_int
+from specdecode.frontend.schema import MAX_CHOICES
 from specdecode.measure.hardware import cpu_report
 from specdecode.measure.timing import guard_costs as measure_guard_costs
 from specdecode.models.loading import eos_token_ids
@@ -243,10 +244,11 @@ class SpeculativeDecoder:
 
     # The request path (specdecode.frontend.builder), as the facade's own methods.
     def config(self, max_new_tokens: int, sampling: SamplingParams | None = None, stop=None, lenience: float = 1.0,
-               logprobs: int | None = None, logits_processors=None, response_format=None, grammar=None) -> DecodeConfig:
+               logprobs: int | None = None, logits_processors=None, response_format=None, grammar=None,
+               prompt_logprobs: int | None = None) -> DecodeConfig:
         """The validated DecodeConfig of a request on this decoder (RequestBuilder.config)."""
         return self.requests.config(max_new_tokens, sampling, stop, lenience, logprobs, logits_processors,
-                                    response_format, grammar)
+                                    response_format, grammar, prompt_logprobs)
 
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
         """A prompt → validated token ids (RequestBuilder.encode)."""
@@ -263,14 +265,16 @@ class SpeculativeDecoder:
     def generate(self, prompt, *, max_new_tokens: int = 256, sampling: SamplingParams | list | None = None,
                  stop: list[str] | str | None = None, stream: bool = False, chat: bool | None = None,
                  batch_size: int | None = None, lenience: float = 1.0, logprobs: int | None = None,
-                 logits_processors=None, response_format=None, grammar: str | None = None):
+                 logits_processors=None, response_format=None, grammar: str | None = None,
+                 prompt_logprobs: int | None = None, n: int = 1):
         """Generate a continuation whose distribution is exactly the target's (paper §2.3).
 
         Args:
             prompt: a string, a list of token ids (used verbatim), or a list of either: a batch,
                 decoded together through the engine (continuous batching), returning a list of
                 results in order.
-            max_new_tokens: at most this many new tokens (>= 1), per prompt.
+            max_new_tokens: at most this many new tokens (>= 1), per prompt; 0 with
+                prompt_logprobs scores the prompt without generating.
             sampling: SamplingParams (default temperature 1.0; temperature=0 is greedy), or for a
                 list of prompts a list of them, one per prompt. Every request has its own
                 generator from its own seed, so each result equals the prompt's result alone
@@ -285,6 +289,13 @@ class SpeculativeDecoder:
                 every returned token's log-probability under the target's RAW distribution (the
                 log-softmax of its logits, before penalties, processors, grammar, temperature,
                 top-k, top-p and min-p) and the N most likely alternatives.
+            prompt_logprobs: None, or N in [0, 20]: result.prompt_logprobs gives each prompt
+                token's log-probability under the target's raw distribution given the tokens
+                before it (the first token's entry is None), with the N most likely
+                alternatives: a plain forward of the prompt (decoder-only targets).
+            n: choices per prompt (1..16): n > 1 returns a list of n results for one prompt (a
+                list of such lists for a list of prompts), decoded together as rows of one
+                batch; with a seed s, choice i is seeded s + i, so it is the same every time.
             logits_processors: callables with transformers' LogitsProcessor signature,
                 processor(input_ids [1, T] int64, scores [1, V] float32) -> scores, applied after
                 the penalties, to the target's and the draft's logits at every position with
@@ -301,19 +312,36 @@ class SpeculativeDecoder:
                 token with p(x) >= l·max p) and marks result.stats.lossy.
         Returns:
             GenerationResult (.text, .token_ids, .finish_reason, .stats, .origins), a list of
-            them for a batch, or a GenerationStream.
+            them for a batch or n > 1, or a GenerationStream.
         Raises:
             ValueError: bad prompt (any prompt of a batch, before anything is generated),
                 max_new_tokens < 1, empty stop string, batch_size not None or >= 1, stream=True
-                with a list, lenience outside (0, 1] (or < 1 with verification="block"), a list
-                of sampling of the wrong length.
+                with a list or n > 1, lenience outside (0, 1] (or < 1 with verification="block"), a list
+                of sampling of the wrong length, n outside [1, 16].
             TypeError: an argument of the wrong type (named).
         """
         if batch_size is not None and (not _is_int(batch_size) or batch_size < 1):
             raise ValueError(f"batch_size must be None (all at once) or an integer >= 1, got {batch_size!r}")
+        if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}] (choices per prompt), got {n!r}")
         is_batch = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (str, list, tuple))
         compiled = self.grammar(response_format, grammar)  # once for every prompt
-        extra = {"logprobs": logprobs, "logits_processors": logits_processors, "grammar": compiled}
+        extra = {"logprobs": logprobs, "logits_processors": logits_processors, "grammar": compiled,
+                 "prompt_logprobs": prompt_logprobs}
+        if n > 1:
+            if stream:
+                raise ValueError("stream=True takes one choice (n=1)")
+            prompts = prompt if is_batch else [prompt]
+            samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+            if len(samplings) != len(prompts):
+                raise ValueError(f"sampling has {len(samplings)} entries for {len(prompts)} prompts; give one per "
+                                 "prompt")
+            flat = self.generate([p for p in prompts for _ in range(n)], max_new_tokens=max_new_tokens,
+                                 sampling=[c for s in samplings for c in choice_samplings(s, n)], stop=stop,
+                                 chat=chat, batch_size=batch_size, lenience=lenience, logits_processors=logits_processors,
+                                 grammar=compiled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            grouped = [flat[i:i + n] for i in range(0, len(flat), n)]
+            return grouped if is_batch else grouped[0]
         if not is_batch:
             if isinstance(sampling, (list, tuple)):
                 raise TypeError("sampling is a list, but there is one prompt: pass one SamplingParams")
@@ -336,8 +364,8 @@ class SpeculativeDecoder:
         """Keep at most batch_size of these requests in the engine; a new one joins as one finishes."""
         results: list[GenerationResult | None] = [None] * len(requests)
 
-        def finish(index, result, _):
-            results[index] = result
+        def finish(index, done, _):
+            results[index] = done[0]
 
-        self._driver.decode_all(range(len(requests)), lambda i: (requests[i], None), finish, batch_size)
+        self._driver.decode_all(range(len(requests)), lambda i: ([requests[i]], None), finish, batch_size)
         return results

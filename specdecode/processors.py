@@ -11,8 +11,8 @@ n = k + 1; the draft scores one position at a time, start = drafts so far). Noth
 transform is a function of the prefix (it may cache what it learnt from committed tokens, which
 never change, but must forget the drafts before returning).
 
-Order (the same on both sides): repetition penalty, presence/frequency penalties, the request's
-logits processors in order, the grammar mask.
+Order (the same on both sides): repetition penalty, presence/frequency penalties, logit_bias, the
+min_tokens EOS mask, the request's logits processors in order, the grammar mask.
 """
 
 from __future__ import annotations
@@ -89,6 +89,51 @@ class Penalties:
         return logits
 
 
+class LogitBias:
+    """OpenAI's logit_bias: a fixed vector added to every position's logits (it does not depend
+    on the prefix, but must reach p and q alike, so it is a pipeline step).
+
+    Args:
+        bias: {token id: bias}.  vocab_size: V.
+    Raises:
+        ValueError: a token id outside [0, V).
+    """
+
+    def __init__(self, bias: dict[int, float], vocab_size: int):
+        outside = [t for t in bias if not 0 <= t < vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})")
+        self.ids = torch.tensor(sorted(bias), dtype=torch.long)
+        self.values = torch.tensor([bias[t] for t in sorted(bias)], dtype=torch.float32)
+
+    def __call__(self, committed, drafts, logits, start: int = 0):
+        if self.ids.device != logits.device:
+            self.ids, self.values = self.ids.to(logits.device), self.values.to(logits.device)
+        logits[:, self.ids] += self.values
+        return logits
+
+
+class MinTokens:
+    """The EOS ids masked (−inf) at every position before the min_tokens-th generated token.
+
+    Args:
+        min_tokens: the output's least length.  eos_token_ids: the ids masked.
+        prompt_len: the committed tokens before this many are the prompt.
+    """
+
+    def __init__(self, min_tokens: int, eos_token_ids, prompt_len: int, vocab_size: int):
+        self.min_tokens, self.prompt_len = min_tokens, prompt_len
+        self.ids = torch.tensor(sorted(t for t in eos_token_ids if 0 <= t < vocab_size), dtype=torch.long)
+
+    def __call__(self, committed, drafts, logits, start: int = 0):
+        # row i scores the token generated after len(committed) + start + i - prompt_len others
+        before = len(committed) + start - self.prompt_len
+        rows = max(0, min(logits.shape[0], self.min_tokens - before))
+        if rows and len(self.ids):
+            logits[:rows, self.ids.to(logits.device)] = float("-inf")
+        return logits
+
+
 class ProcessorList:
     """Logits processors with transformers' LogitsProcessor signature, `processor(input_ids [1, T]
     int64, scores [1, V] float32) -> scores [1, V]`, called once per position with that position's
@@ -155,18 +200,25 @@ class LogitsPipeline:
 
 
 def build_pipeline(sampling, prompt_len: int, vocab_size: int, logits_processors: Sequence[Callable] = (),
-                   grammar=None) -> LogitsPipeline | None:
-    """The pipeline of one request, or None when nothing depends on the prefix (the fast path).
+                   grammar=None, eos_token_ids=()) -> LogitsPipeline | None:
+    """The pipeline of one request, or None when nothing shapes its logits (the fast path).
 
     Args:
-        sampling: its SamplingParams (penalties).  prompt_len: tokens of the committed prefix that
-            are prompt.  vocab_size: V of the target's logits.  logits_processors: transformers-style
-            processors.  grammar: a specdecode.grammar.Grammar or None.
+        sampling: its SamplingParams (penalties, logit_bias, min_tokens).  prompt_len: tokens of
+            the committed prefix that are prompt.  vocab_size: V of the target's logits.
+            logits_processors: transformers-style processors.  grammar: a
+            specdecode.grammar.Grammar or None.  eos_token_ids: what min_tokens masks.
+    Raises:
+        ValueError: a logit_bias id outside the vocabulary.
     """
     transforms: list[Transform] = []
     if sampling.has_penalties:
         transforms.append(Penalties(sampling.repetition_penalty, sampling.presence_penalty,
                                     sampling.frequency_penalty, prompt_len, vocab_size))
+    if sampling.logit_bias:
+        transforms.append(LogitBias(sampling.logit_bias, vocab_size))
+    if sampling.min_tokens and eos_token_ids:
+        transforms.append(MinTokens(sampling.min_tokens, eos_token_ids, prompt_len, vocab_size))
     if logits_processors:
         transforms.append(ProcessorList(logits_processors))
     state = grammar.state(prompt_len) if grammar is not None else None

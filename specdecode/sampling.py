@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +36,13 @@ class SamplingParams:
         generated tokens only: logit −= frequency_penalty × count + presence_penalty × [count > 0].
     The penalties apply to the raw logits before temperature and the filters, at every position
     from the prefix up to it, on the target's side and the draft's (specdecode.processors).
+    logit_bias: {token id: bias in [-100, 100]} added to the raw logits (after the penalties,
+        before temperature and the filters), OpenAI's semantics; -100 in effect bans a token.
+        Stored as a dict of int → float; not part of the hash.
+    min_tokens: the EOS ids are masked (−inf) on both sides until this many tokens were
+        generated (transformers' min_new_tokens, vLLM's min_tokens); stop strings still end it.
+    ignore_eos: EOS does not end the output: it is a token like any other, and the output runs to
+        max_new_tokens (or a stop string); vLLM's ignore_eos. Its text is empty.
     Float fields take any real number but a bool (an int is fine), integer fields any integer but
     a bool; numpy scalars are stored as the Python float or int.
 
@@ -42,7 +50,8 @@ class SamplingParams:
         TypeError: a field of the wrong type (the message names the field).
         ValueError: on a negative or infinite temperature, a negative top_k, top_p outside (0, 1],
             min_p outside [0, 1), a seed outside [-2**63, 2**64), repetition_penalty <= 0 or
-            infinite, presence_penalty or frequency_penalty outside [-2, 2].
+            infinite, presence_penalty or frequency_penalty outside [-2, 2], a logit_bias id < 0
+            or bias outside [-100, 100], min_tokens < 0.
     """
 
     temperature: float = 1.0
@@ -53,9 +62,15 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self):
         self._check_types()
+        self._check_logit_bias()
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if not 0 <= self.temperature < math.inf:  # also catches NaN
             raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
@@ -77,7 +92,7 @@ class SamplingParams:
         numpy integers as a seed)."""
         for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float),
                            ("seed", int), ("repetition_penalty", float), ("presence_penalty", float),
-                           ("frequency_penalty", float)):
+                           ("frequency_penalty", float), ("min_tokens", int)):
             value = getattr(self, name)
             if name == "seed" and value is None:
                 continue
@@ -88,6 +103,22 @@ class SamplingParams:
                 object.__setattr__(self, name, kind(value))
             except OverflowError:  # an int beyond float's range, e.g. temperature=10**400
                 raise ValueError(f"{name} must be finite, got {value!r}") from None
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+
+    def _check_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, Mapping):
+            raise TypeError(f"logit_bias must be a dict {{token id: bias}}, got {type(self.logit_bias).__name__}")
+        bias = {}
+        for token, value in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+            bias[int(token)] = float(value)
+        object.__setattr__(self, "logit_bias", bias or None)
 
     @property
     def has_penalties(self) -> bool:

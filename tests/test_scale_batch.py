@@ -68,6 +68,27 @@ def test_one_output_line_per_input_line_bad_lines_as_errors(model_dirs, solo, tm
     assert len(read_jsonl(out)) == 7
 
 
+def test_simple_lines_take_n_echo_logit_bias_min_tokens_and_ignore_eos(model_dirs, solo, tmp_path):
+    rows = [{"id": "n", "prompt": "abc", "n": 3, "temperature": 1.0, "seed": 5},
+            {"id": "n1", "prompt": "abc", "temperature": 1.0, "seed": 6},
+            {"id": "echo", "prompt": "bad bed", "echo": True, "logprobs": 1, "max_tokens": 0},
+            {"id": "bias", "prompt": "abc", "logit_bias": {"1": 40}, "min_tokens": 3},   # 1: <eos>
+            {"id": "ignore", "prompt": "abc", "logit_bias": {"1": 40}, "ignore_eos": True, "max_tokens": 5}]
+    inp, out = write_jsonl(tmp_path / "in.jsonl", rows), str(tmp_path / "out.jsonl")
+    assert main(["batch", inp, "--output", out, *models(model_dirs), "--temperature", "0", "--max-tokens", "12",
+                 "--raw", "--quiet"]) == 0
+    records = {r["id"]: r for r in read_jsonl(out)}
+    choices = records["n"]["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2] and choices[1]["text"] == records["n1"]["text"]
+    assert 3 <= records["n"]["usage"]["completion_tokens"] <= 36 and "text" not in records["n"]
+    echo = records["echo"]
+    assert echo["text"] == "bad bed" and echo["usage"]["completion_tokens"] == 0
+    assert echo["logprobs"]["token_logprobs"][0] is None and len(echo["logprobs"]["tokens"]) == 7
+    assert all(v < 0 for v in echo["logprobs"]["token_logprobs"][1:])
+    assert records["bias"]["usage"]["completion_tokens"] == 3 and records["bias"]["finish_reason"] == "eos"
+    assert records["ignore"]["usage"]["completion_tokens"] == 5 and records["ignore"]["finish_reason"] == "length"
+
+
 def test_a_half_written_last_line_is_cut_and_its_row_done_again(model_dirs, solo, tmp_path, capsys):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": p, "prompt": p} for p in PROMPTS[:4]])
     out = tmp_path / "out.jsonl"

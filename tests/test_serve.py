@@ -205,7 +205,13 @@ def test_sixteen_concurrent_requests_each_equal_their_solo_result(server):
     ({"prompt": "abc", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "abc", "max_tokens": 254}, 400, "max_tokens"),     # 3 + 254 > the 256-token context
     ({"prompt": "abc", "top_p": 0}, 400, "top_p"),
-    ({"prompt": "abc", "n": 2}, 400, "n"),
+    ({"prompt": "abc", "n": 17}, 400, "n"),
+    ({"prompt": "abc", "n": 2, "best_of": 3}, 400, "best_of"),
+    ({"prompt": "abc", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ({"prompt": "abc", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": "abc", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ({"prompt": "abc", "min_tokens": 30, "max_tokens": 20}, 400, "min_tokens"),
+    ({"prompt": "abc", "ignore_eos": "yes"}, 400, "ignore_eos"),
     ({"prompt": "abc", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "abc", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": "abc", "frequency_penalty": -3}, 400, "frequency_penalty"),
@@ -371,7 +377,7 @@ def test_the_live_page_colours_streamed_tokens_by_origin_in_headless_chromium(se
     (b'{"model": "tiny", "prompt": "a", "seed": 18446744073709551616}', "seed"),
     (b'{"model": "tiny", "prompt": "a", "temperature": "0.5"}', "temperature"),
     (b'{"model": "tiny", "prompt": "a", "top_p": true}', "top_p"),
-    (b'{"model": "tiny", "prompt": "a", "logit_bias": {"5": 10}}', "logit_bias"),
+    (b'{"model": "tiny", "prompt": "a", "logit_bias": {"5": "10"}}', "logit_bias"),
     (b'{"model": "tiny", "prompt": "a", "best_of": 2}', "best_of"),
     (b'{"model": "tiny", "prompt": "a", "logprobs": true}', "logprobs"),
     (b'{"model": "tiny", "prompt": "a", "response_format": "json"}', "response_format"),
@@ -583,6 +589,11 @@ def test_batch_in_openai_format_answers_each_line_with_the_servers_body(server, 
         "wizard": ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}),
         "other-model": ("/v1/completions", {"model": "gpt-4o-mini", "prompt": "ace"}),
         "too-long": ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 100000}),
+        "raw-n-biased": ("/v1/completions", {"model": "tiny", "prompt": "fade", "max_tokens": 8, "n": 2,
+                                             "temperature": 0.8, "seed": 3, "logit_bias": {"5": 3},
+                                             "min_tokens": 2}),
+        "raw-echo-score": ("/v1/completions", {"model": "tiny", "prompt": "dead beef", "max_tokens": 0,
+                                               "echo": True, "logprobs": 2}),
     }
     source = tmp_path / "openai.jsonl"
     source.write_text("".join(json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body}) + "\n"
@@ -609,11 +620,111 @@ def test_batch_in_openai_format_answers_each_line_with_the_servers_body(server, 
         assert comparable(record["response"]["body"]) == comparable(answer.json()), record["custom_id"]
     statuses = {r["custom_id"]: r["response"]["status_code"] for r in lines}
     assert statuses == {"chat-greedy": 200, "raw-greedy": 200, "raw-seeded": 200, "chat-json": 200,
-                        "bad-temperature": 400, "wizard": 400, "other-model": 404, "too-long": 400}
+                        "bad-temperature": 400, "wizard": 400, "other-model": 404, "too-long": 400,
+                        "raw-n-biased": 200, "raw-echo-score": 200}
     # resumable: a rerun writes nothing new
     assert main(["batch", str(source), "--output", str(out), "--target", chat_model_dirs["target"], "--draft",
                  chat_model_dirs["draft"], "--dtype", "float32", "--no-guard", "--quiet"]) == 0
     assert len(out.read_text().splitlines()) == len(bodies)
+
+
+# --- evaluation harness fields: n, logit_bias, echo with prompt logprobs, min_tokens/ignore_eos ----
+
+def streamed_choices(stream) -> dict:
+    """{choice index: [text, finish_reason, token_logprobs]} of a streamed completions response."""
+    out = {}
+    for part in stream:
+        for choice in part.choices:
+            entry = out.setdefault(choice.index, ["", None, []])
+            entry[0] += choice.text
+            entry[1] = choice.finish_reason or entry[1]
+            if choice.logprobs is not None:
+                entry[2] += choice.logprobs.token_logprobs
+    return out
+
+
+def test_n_choices_are_each_the_seeded_request_alone_streamed_or_not(server):
+    args = dict(temperature=1.0, seed=11, max_tokens=12)
+    both = complete(server, "abc", n=3, **args)
+    alone = [complete(server, "abc", **(args | {"seed": 11 + i})) for i in range(3)]
+    assert [c.index for c in both.choices] == [0, 1, 2]
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in both.choices}) > 1  # the seeds differ, so do the choices
+    assert both.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert both.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert complete(server, "abc", n=3, best_of=3, **args).choices[2].text == both.choices[2].text
+    streamed = streamed_choices(complete(server, "abc", n=3, stream=True, **args))
+    assert [streamed[i][:2] for i in range(3)] == [[c.text, c.finish_reason] for c in both.choices]
+    replies = chat(server, "abc", n=2, temperature=0, max_tokens=10).choices
+    assert len(replies) == 2 and replies[0].message.content == replies[1].message.content  # greedy: equal
+
+
+def test_logit_bias_steers_speculative_and_plain_decoding_alike(server, plain_server, chat_model_dirs):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dirs["target"])
+    free = complete(plain_server, "the cafe", max_tokens=12).choices[0].text
+    banned = {str(tokenizer.convert_tokens_to_ids(free[0])): -100}  # the first greedy token, never
+    pushed = {str(tokenizer.convert_tokens_to_ids("d")): 8.5}         # a strong, not absolute, pull
+    for bias in (banned, pushed):
+        spec = complete(server, "the cafe", max_tokens=12, logit_bias=bias).choices[0].text
+        assert spec == complete(plain_server, "the cafe", max_tokens=12, logit_bias=bias).choices[0].text != free
+        assert streamed_choices(complete(server, "the cafe", max_tokens=12, logit_bias=bias, stream=True))[0][0] \
+            == spec
+    assert not complete(server, "the cafe", max_tokens=12, logit_bias=banned).choices[0].text.startswith(free[0])
+    sampled = complete(server, "the cafe", max_tokens=40, temperature=1.0, seed=3, logit_bias=pushed).choices[0].text
+    assert sampled.count("d") > 10  # d's logit + 8.5 dominates (a wrong sign or a missing bias would not)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_a_plain_forward(server, chat_model_dirs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = "bad bed"
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dirs["target"])
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    model = AutoModelForCausalLM.from_pretrained(chat_model_dirs["target"], dtype=torch.float32)
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
+    scored = complete(server, prompt, echo=True, logprobs=2, max_tokens=0).choices[0]
+    assert scored.text == prompt and "".join(scored.logprobs.tokens) == prompt
+    assert scored.logprobs.token_logprobs[0] is None and scored.logprobs.top_logprobs[0] is None
+    assert scored.logprobs.text_offset == list(range(len(prompt)))
+    for j, (value, top) in enumerate(zip(scored.logprobs.token_logprobs[1:], scored.logprobs.top_logprobs[1:]), 1):
+        assert value == pytest.approx(float(reference[j - 1, ids[j]]), abs=1e-4)
+        assert len(top) == 2 and max(top.values()) == pytest.approx(float(reference[j - 1].max()), abs=1e-4)
+    full = complete(server, prompt, echo=True, logprobs=1, max_tokens=6).choices[0]
+    alone = complete(server, prompt, logprobs=1, max_tokens=6).choices[0]
+    assert full.text == prompt + alone.text
+    assert full.logprobs.token_logprobs[len(ids):] == alone.logprobs.token_logprobs
+    assert full.logprobs.text_offset[len(ids):] == [len(prompt) + o for o in alone.logprobs.text_offset]
+    assert full.logprobs.token_logprobs[1:len(ids)] == pytest.approx(scored.logprobs.token_logprobs[1:], abs=1e-6)
+    streamed = streamed_choices(complete(server, prompt, echo=True, logprobs=1, max_tokens=6, stream=True))[0]
+    assert streamed[0] == full.text and streamed[2][0] is None
+    assert streamed[2][1:] == pytest.approx(full.logprobs.token_logprobs[1:], abs=1e-6)
+    assert complete(server, prompt, echo=True, max_tokens=3).choices[0].text.startswith(prompt)
+    for body, param in (({"prompt": prompt, "max_tokens": 0}, "max_tokens"),):
+        response = httpx.post(server.url + "/v1/completions", json={"model": "tiny", **body}, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "echo": True})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "echo"
+
+
+def test_min_tokens_and_ignore_eos_hold_eos_back_alike_with_and_without_speculation(server, plain_server,
+                                                                                    chat_model_dirs):
+    from transformers import AutoTokenizer
+
+    eos = str(AutoTokenizer.from_pretrained(chat_model_dirs["target"]).eos_token_id)
+    likely_eos = {eos: 30}  # EOS first, unless masked
+    for srv in (server, plain_server):
+        ended = complete(srv, "abc", max_tokens=10, logit_bias=likely_eos)
+        assert ended.choices[0].text == "" and ended.usage.completion_tokens == 0
+        held = complete(srv, "abc", max_tokens=10, logit_bias=likely_eos, extra_body={"min_tokens": 4})
+        assert held.usage.completion_tokens == 4 and held.choices[0].finish_reason == "stop"
+        ignored = complete(srv, "abc", max_tokens=10, logit_bias=likely_eos, extra_body={"ignore_eos": True})
+        assert ignored.usage.completion_tokens == 10 and ignored.choices[0].finish_reason == "length"
+    kwargs = dict(max_tokens=10, logit_bias={eos: 2.0}, extra_body={"min_tokens": 5})
+    assert complete(server, "abc", **kwargs).choices[0].text == complete(plain_server, "abc", **kwargs).choices[0].text
 
 
 # --- safe by default against other sites and slow clients --------------------------------------

@@ -3,6 +3,7 @@ and tools. Every one of them only adds requests and routes what `Engine.step` re
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from typing import Callable, Iterable, Iterator
@@ -106,29 +107,38 @@ class Driver:
         self._abandoned.append(request_id)
 
     def decode_all(self, items: Iterable, build: Callable, finish: Callable, batch_size: int) -> None:
-        """Decode many items with at most batch_size in the engine; the next joins as one finishes.
-        build(item) → (Request, context), or None to skip the item (the caller has answered it);
-        finish(item, GenerationResult, context) as each request finishes. On an exception (a
-        failed step, Ctrl-C) the items still running are aborted."""
-        waiting, active = deque(items), {}
+        """Decode many items with at most batch_size requests in the engine; the next item joins
+        as room frees. build(item) → (list of Requests, context), or None to skip the item (the
+        caller has answered it); finish(item, [GenerationResult per request], context) once all
+        of an item's requests finished. On an exception (a failed step, Ctrl-C) the requests
+        still running are aborted."""
+        waiting, active = deque(items), {}   # active: item key → [item, context, {request id: result}]
+        running, keys = 0, itertools.count()
         try:
             while waiting or active:
-                while waiting and len(active) < batch_size:
+                while waiting and running < batch_size:
                     item = waiting.popleft()
                     built = build(item)
                     if built is not None:
-                        active[self.submit(built[0])] = (item, built[1])
+                        requests, context = built
+                        active[next(keys)] = [item, context, {self.submit(r): None for r in requests}]
+                        running += len(requests)
                 if not active:
                     continue
                 self.step()
-                for request_id in list(active):
-                    result = self._take(request_id)
-                    if result is not None:
-                        item, context = active.pop(request_id)
-                        finish(item, result, context)
+                for key, (item, context, results) in list(active.items()):
+                    for request_id, result in results.items():
+                        if result is None and (result := self._take(request_id)) is not None:
+                            results[request_id] = result
+                            running -= 1
+                    if all(r is not None for r in results.values()):
+                        del active[key]
+                        finish(item, list(results.values()), context)
         except BaseException:
-            for request_id in active:
-                self.abort(request_id)
+            for _, _, results in active.values():
+                for request_id, result in results.items():
+                    if result is None:
+                        self.abort(request_id)
             raise
 
     def abort(self, request_id: int) -> None:

@@ -53,6 +53,7 @@ class StepOutput:
     num_drafted: int = 0
     num_accepted: int = 0
     stats: GenerationStats | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on a request's first output, when asked
 
 
 @dataclass
@@ -99,11 +100,13 @@ class _Row:
         self.stats = GenerationStats(lossy=config.lenience < 1.0 and speculative,
                                      accepted_per_position=[0] * self.policy.k_max)
         self.start = time.perf_counter()
-        # penalties, processors, grammar: None keeps the fast path (specdecode.processors)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        # penalties, logit_bias, min_tokens, processors, grammar: None keeps the fast path
+        # (specdecode.processors)
         self.pipeline: LogitsPipeline | None = None
         if vocab_size is not None:
             self.pipeline = build_pipeline(config.sampling, len(request.prompt_ids), vocab_size,
-                                           config.logits_processors, config.grammar)
+                                           config.logits_processors, config.grammar, config.eos_token_ids)
 
     def result(self) -> GenerationResult:
         self.stats.num_generated = len(self.out.token_ids)
@@ -112,7 +115,7 @@ class _Row:
             self.stats.num_guard_pauses = self.policy.guard.num_pauses
         return GenerationResult(self.out.text, self.out.token_ids, self.out.finish_reason, self.stats,
                                 self.out.origins, self.out.logprobs, self.out.text_offsets,
-                                self.out.num_text_tokens)
+                                self.out.num_text_tokens, self.prompt_logprobs)
 
 
 def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor, config: DecodeConfig,
@@ -288,8 +291,11 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One target call for every running row (after admitting waiting requests), in the six
         phases of the module docstring."""
-        self._admit()
+        scored = self._admit()
         outputs = {row.request_id: StepOutput(row.request_id, []) for row in self.running}
+        for row in scored:  # their first output carries the prompt's logprobs
+            outputs[row.request_id] = StepOutput(row.request_id, [], None if row in self.running else row.result(),
+                                                 prompt_logprobs=row.prompt_logprobs)
         limit = self.target.max_length
         full = [row for row in self.running if limit is not None and len(row.tokens) >= limit]
         for row in full:  # the context window is full: no room for another token
@@ -462,15 +468,27 @@ class Engine:
         output.num_drafted, output.num_accepted = stats.num_drafted - drafted, stats.num_accepted - kept
         output.stats = stats.snapshot()
 
-    def _admit(self) -> None:
-        joining = []
+    def _admit(self) -> list[_Row]:
+        """Waiting requests join the batch while there is room; the prompts of those that ask
+        for prompt logprobs are scored first. Returns the rows whose prompts were scored: those
+        that asked for no new tokens finished (never in the batch), the others running."""
+        joining, scored = [], []
         while self.waiting and (self.capacity is None or len(self.running) + len(joining) < self.capacity):
-            joining.append(self.waiting.popleft())
+            request_id, request = self.waiting.popleft()
+            if request.config.prompt_logprobs is None:
+                joining.append((request_id, request))
+                continue
+            row = self._score_prompt(request_id, request)
+            if request.config.max_new_tokens == 0:
+                row.out.finish("length")
+                scored.append(row)
+            else:
+                joining.append((request_id, request, row))
         # A row alone reads its prompt with its first step's forward (prefill and verify in one
         # call); a row joining others reads all but its prompt's last token now, on its own,
         # so that no other row's feed is padded to its prompt's length.
         alone = not self.running and len(joining) == 1
-        for request_id, request in joining:
+        for request_id, request, *scored_row in joining:
             encoder_input, prompt = request.encoder_input_ids, list(request.prompt_ids)
             if alone:  # (single-row backends, e.g. encoder–decoder ones, only ever get this)
                 self.target.add_row(encoder_input)
@@ -480,9 +498,25 @@ class Engine:
                 self.proposer.add_row(prompt, encoder_input)
             row = _Row(request_id, request, self.tokenizer, self.proposer is not None, self.device,
                        self.target.vocab_size)
+            if scored_row:
+                row.prompt_logprobs = scored_row[0].prompt_logprobs
+                scored.append(row)
             if not alone:
                 row.pending = prompt[-1:]
             self.running.append(row)
+        return scored
+
+    def _score_prompt(self, request_id: int, request: Request) -> _Row:
+        """A row (outside the batch) holding the prompt's logprobs: one plain target forward."""
+        score = getattr(self.target, "score", None)
+        if score is None or request.encoder_input_ids is not None:
+            raise ValueError("prompt logprobs need a decoder-only target")
+        prompt = list(request.prompt_ids)
+        row = _Row(request_id, request, self.tokenizer, False, self.device)
+        logits = score(prompt)[:-1] if len(prompt) > 1 else None
+        row.prompt_logprobs = [None] + ([] if logits is None else
+                                        token_logprobs(logits, prompt[1:], request.config.prompt_logprobs))
+        return row
 
     def _leave(self, rows: list[_Row], outputs: dict[int, StepOutput] | None = None) -> None:
         """Finished or aborted rows leave the batch: their cache rows go, so later steps cost less."""

@@ -37,7 +37,7 @@ class Output:
         self.origins.append(origin)
         if self.logprobs is not None and logprob is not None:
             self.logprobs.append(logprob)
-        is_eos = token_id in self.config.eos_token_ids
+        is_eos = token_id in self.config.eos_token_ids and not self.config.sampling.ignore_eos
         text = self.detok.push(token_id) if self.detok is not None and not is_eos else ""
         offset = self._decoded
         self.text_offsets.append(offset)

@@ -20,7 +20,8 @@ VERIFICATIONS = ("token", "block")
 class DecodeConfig:
     """How one request is decoded.
 
-    max_new_tokens: at most this many new tokens (>= 1).
+    max_new_tokens: at most this many new tokens (>= 1; 0 only with prompt_logprobs: the prompt
+        is scored and nothing generated).
     sampling: the request's SamplingParams; its seed gives the request its own generator (rule 7).
     num_speculative_tokens: γ_max, the most drafts per target call; 0 decodes plainly.
     eos_token_ids: tokens that end the output (included in token_ids, not in the text).
@@ -33,6 +34,10 @@ class DecodeConfig:
         (within [1, γ_max]). Any rule that looks only at the past is exact (§2.3 holds step by step).
     logprobs: None, or N in [0, 20]: every emitted token gets its log-probability under the
         target's raw distribution and the N most likely alternatives (TokenLogprob).
+    prompt_logprobs: None, or N in [0, 20]: each prompt token after the first gets its
+        log-probability under the target's raw distribution given the tokens before it, with the
+        N most likely alternatives (GenerationResult.prompt_logprobs; one extra target forward
+        of the prompt, decoder-only targets).
     logits_processors: transformers-style processors (specdecode.processors.ProcessorList).
     grammar: a specdecode.grammar.Grammar the output must follow, or None.
     verification: "token" checks the drafts one by one (paper §2.3, verify.speculative_step);
@@ -51,6 +56,7 @@ class DecodeConfig:
     costs: tuple[float, float] | None = None
     gamma_schedule: str = "fixed"
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logits_processors: tuple = ()
     grammar: object = None
     verification: str = "token"
@@ -113,10 +119,13 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for them
     text_offsets: list[int] | None = None  # per token: where its text starts in `text`'s characters
     num_text_tokens: int | None = None  # of token_ids, those with text in `text` (Output.num_text_tokens)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None), when asked
 
     def to_dict(self) -> dict:
         record = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                   "stats": self.stats.to_dict()}
         if self.logprobs is not None:
             record["logprobs"] = [entry.to_dict() for entry in self.logprobs]
+        if self.prompt_logprobs is not None:
+            record["prompt_logprobs"] = [None if e is None else e.to_dict() for e in self.prompt_logprobs]
         return record

@@ -40,6 +40,25 @@ class GenerationStats:
         """A copy that later steps do not change."""
         return dataclasses.replace(self, accepted_per_position=list(self.accepted_per_position))
 
+    @classmethod
+    def combine(cls, parts: list["GenerationStats"]) -> "GenerationStats":
+        """The stats of several generations decoded together (a request's n choices): counts
+        and times summed, wall time the longest, accepted_per_position summed per position."""
+        total = cls(accepted_per_position=[0] * max((len(p.accepted_per_position) for p in parts), default=0))
+        for part in parts:
+            for f in dataclasses.fields(cls):
+                value = getattr(part, f.name)
+                if f.name == "accepted_per_position":
+                    for i, count in enumerate(value):
+                        total.accepted_per_position[i] += count
+                elif f.name == "wall_time_s":
+                    total.wall_time_s = max(total.wall_time_s, value)
+                elif f.name == "lossy":
+                    total.lossy = total.lossy or value
+                else:
+                    setattr(total, f.name, getattr(total, f.name) + value)
+        return total
+
     @property
     def acceptance_rate(self) -> float:
         """Accepted / drafted (the empirical α); NaN when nothing was drafted."""

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from dataclasses import dataclass
 import threading
 import warnings
 
 from specdecode.engine.request import DecodeConfig, Request
-from specdecode.frontend.schema import MAX_LOGPROBS, ApiError, ChatRequest, CompletionRequest, max_tokens, \
-    num_logprobs, stops
+from specdecode.frontend.schema import MAX_LOGPROBS, ApiError, ChatRequest, CompletionRequest, \
+    max_tokens, num_logprobs, stops
 from specdecode.sampling import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
@@ -33,6 +34,15 @@ _APPLIED = ("repetition_penalty", "no_repeat_ngram_size")
 
 def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def choice_samplings(sampling: SamplingParams | None, n: int) -> list[SamplingParams | None]:
+    """The sampling of each of n choices of one request: choice i of a request seeded s is
+    seeded s + i (wrapping within [0, 2**64)), so each choice is the same every time and
+    choice 0 is the request alone; unseeded choices draw their own seeds."""
+    if n == 1 or sampling is None or sampling.seed is None:
+        return [sampling] * n
+    return [sampling] + [dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**64) for i in range(1, n)]
 
 
 def generation_defaults(model) -> dict:
@@ -53,6 +63,21 @@ def generation_defaults(model) -> dict:
                       "not applied (pass them in SamplingParams); applied: "
                       f"{', '.join(f'{k}={v!r}' for k, v in applied.items()) or 'nothing'}", stacklevel=4)
     return applied
+
+
+@dataclass(frozen=True)
+class WireRequest:
+    """A server body or batch line as engine work: one Request per choice (`n`), the prompt's
+    token ids, and for a completions body with `echo` the prompt text returned before each
+    choice's text (None without echo)."""
+
+    requests: list[Request]
+    prompt_ids: list[int]
+    echo: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
 
 class RequestBuilder:
@@ -183,6 +208,8 @@ class RequestBuilder:
         """
         if response_format is None and grammar is None:
             return None
+        if grammar is not None and not isinstance(grammar, str):  # already compiled
+            return grammar
         with self._lock:
             if self._grammar_compiler is None:
                 from specdecode.grammar import GrammarCompiler
@@ -192,24 +219,35 @@ class RequestBuilder:
 
     def config(self, max_new_tokens: int, sampling: SamplingParams | None = None, stop=None,
                lenience: float = 1.0, logprobs: int | None = None, logits_processors=None,
-               response_format=None, grammar=None) -> DecodeConfig:
+               response_format=None, grammar=None, prompt_logprobs: int | None = None) -> DecodeConfig:
         """The DecodeConfig of a request with these settings (validated); the target's
         generation_config defaults are applied here. `grammar` may be an already compiled
         specdecode.grammar.Grammar. Arguments as SpeculativeDecoder.generate.
 
         Raises:
             TypeError: an argument of the wrong type (named).
-            ValueError: max_new_tokens < 1, an empty stop string, lenience outside (0, 1], lenience
-                < 1 with verification="block" or tree_width > 1, logprobs outside [0, 20], a logits
-                processor that is not callable, an invalid response_format, schema or grammar.
+            ValueError: max_new_tokens < 1 (0 is allowed with prompt_logprobs: score only), an
+                empty stop string, lenience outside (0, 1], lenience < 1 with verification="block"
+                or tree_width > 1, logprobs or prompt_logprobs outside [0, 20], prompt_logprobs with
+                an encoder–decoder target, a logit_bias id outside the vocabulary, min_tokens >
+                max_new_tokens, a logits processor that is not callable, an invalid
+                response_format, schema or grammar.
         """
-        if not is_int(max_new_tokens) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        least = 0 if prompt_logprobs is not None else 1
+        if not is_int(max_new_tokens) or max_new_tokens < least:
+            raise ValueError(f"max_new_tokens must be an integer >= 1 (0 only with prompt_logprobs: score the "
+                             f"prompt), got {max_new_tokens!r}")
         if sampling is None:
             sampling = SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams (or, for a list of prompts, a list of them), "
                             f"got {type(sampling).__name__}")
+        vocab = self.target.vocab_size
+        if sampling.logit_bias and max(sampling.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids {sorted(t for t in sampling.logit_bias if t >= vocab)[:5]} are "
+                             f"outside the vocabulary [0, {vocab})")
+        if sampling.min_tokens > max_new_tokens:
+            raise ValueError(f"min_tokens ({sampling.min_tokens}) must be at most max_new_tokens ({max_new_tokens})")
         stop_strings = (stop,) if isinstance(stop, str) else (stop or ())
         if not isinstance(stop_strings, (list, tuple)) or not all(isinstance(s, str) for s in stop_strings):
             raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
@@ -222,9 +260,13 @@ class RequestBuilder:
         if lenience != 1 and self.verification == "block":
             raise ValueError(f"lenience {lenience} (lossy) needs verification='token'; this decoder verifies "
                              "blocks, which is exact only")
-        if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (alternatives per token), "
-                             f"got {logprobs!r}")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}] (alternatives per "
+                                 f"token), got {value!r}")
+        if prompt_logprobs is not None and self.is_encoder_decoder:
+            raise ValueError("prompt_logprobs need a decoder-only target (an encoder-decoder model's prompt is "
+                             "its encoder's input)")
         processors = list(logits_processors or ())
         if not all(callable(p) for p in processors):
             raise ValueError("logits_processors must be callables processor(input_ids [1, T], scores [1, V]) -> scores")
@@ -242,7 +284,7 @@ class RequestBuilder:
                             stop=tuple(stop_strings), lenience=float(lenience),
                             costs=self.guard_costs if self.guarded(sampling, lenience) else None,
                             gamma_schedule=self.gamma_schedule, verification=self.verification, logprobs=logprobs,
-                            logits_processors=tuple(processors), grammar=compiled)
+                            prompt_logprobs=prompt_logprobs, logits_processors=tuple(processors), grammar=compiled)
 
     @staticmethod
     def guarded(sampling: SamplingParams, lenience: float) -> bool:
@@ -254,12 +296,15 @@ class RequestBuilder:
 
     # --- wire bodies -----------------------------------------------------------------------------
 
-    def from_wire(self, req: ChatRequest | CompletionRequest, template: bool | None = False) -> tuple[Request, int]:
-        """The engine Request of a validated server body or batch line, and its prompt's token count.
+    def from_wire(self, req: ChatRequest | CompletionRequest, template: bool | None = False) -> WireRequest:
+        """The engine work of a validated server body or batch line (WireRequest: a Request per
+        choice, the prompt ids, the echoed prompt).
 
         template: for a completions body with a string prompt, send it through the chat template
             as one user message (None: when the target has one; the batch job's `prompt` lines).
             A chat body always goes through the template.
+        `echo` with `logprobs` asks for the prompt's logprobs (DecodeConfig.prompt_logprobs);
+        `max_tokens: 0` with `echo` scores the prompt without generating.
         Raises:
             ApiError: 400 naming the field for a prompt the model cannot take (empty, ids outside
                 the vocabulary, too long with max_tokens, no chat template), sampling values out
@@ -285,6 +330,19 @@ class RequestBuilder:
             field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
             raise ApiError(400, f"the prompt has {len(ids)} tokens and {field} is {max_new}: more than the model's "
                                 f"context of {limit} tokens", field)
+        outside = sorted(int(k) for k in req.logit_bias or {} if int(k) >= self.target.vocab_size)
+        if outside:
+            raise ApiError(400, f"logit_bias token ids {outside[:5]} are outside the vocabulary "
+                                f"[0, {self.target.vocab_size})", "logit_bias")
+        if (req.min_tokens or 0) > max_new:
+            raise ApiError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_new})", "min_tokens")
+        echo = not chat and bool(req.echo)
+        if echo and self.is_encoder_decoder:
+            raise ApiError(400, "echo needs a decoder-only target", "echo")
+        # echo: the prompt's logprobs when logprobs are asked (a score-only row when max_tokens is 0)
+        prompt_logprobs = num_logprobs(req) if echo else None
+        if max_new == 0 and prompt_logprobs is None:
+            prompt_logprobs = 0
         try:
             sampling = self.wire_sampling(req)
         except (ValueError, TypeError) as err:
@@ -295,12 +353,22 @@ class RequestBuilder:
         except (ValueError, ImportError) as err:
             raise ApiError(400, f"{field}: {err}", field) from None
         try:
-            config = self.config(max_new, sampling, stops(req), logprobs=num_logprobs(req), grammar=grammar)
+            config = self.config(max_new, sampling, stops(req), logprobs=num_logprobs(req), grammar=grammar,
+                                 prompt_logprobs=prompt_logprobs)
         except (ValueError, TypeError) as err:
             raise ApiError(400, str(err)) from None
         if req.num_speculative_tokens is not None:
             config = dataclasses.replace(config, num_speculative_tokens=req.num_speculative_tokens)
-        return self.request(ids, config), len(ids)
+        requests = [self.request(ids, dataclasses.replace(config, sampling=s))
+                    for s in choice_samplings(config.sampling, req.n or 1)]
+        echoed = None
+        if echo:
+            if isinstance(req.prompt, str):
+                echoed = req.prompt
+            else:
+                with self._lock:
+                    echoed = self.tokenizer.decode(ids)
+        return WireRequest(requests, ids, echoed)
 
     @staticmethod
     def wire_sampling(req: ChatRequest | CompletionRequest) -> SamplingParams:
@@ -310,4 +378,6 @@ class RequestBuilder:
                               top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, seed=req.seed,
                               repetition_penalty=req.repetition_penalty or 1.0,
                               presence_penalty=req.presence_penalty or 0.0,
-                              frequency_penalty=req.frequency_penalty or 0.0)
+                              frequency_penalty=req.frequency_penalty or 0.0,
+                              logit_bias={int(k): float(v) for k, v in (req.logit_bias or {}).items()} or None,
+                              min_tokens=req.min_tokens or 0, ignore_eos=bool(req.ignore_eos))

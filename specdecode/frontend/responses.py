@@ -6,12 +6,19 @@ OpenAI's chat `logprobs.content[]` and legacy completions `logprobs` shapes. The
 the returned text: the EOS token that ends an output is not listed (nor counted in usage), and
 where a stop string ends the output, the tokens listed are those whose text starts before it
 (a token in which the stop begins is listed; `text_offset` never points past the text).
+
+A request for n choices gets choices indexed 0..n-1 (streamed: chunks of the choices interleave,
+each naming its index) and `usage` counting the prompt once and every choice's tokens. A
+completions request with `echo` gets the prompt text before each choice's text and, with
+`logprobs`, the prompt tokens' entries first (the first token's logprob and alternatives null).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+
+from specdecode.engine.stats import GenerationStats
 
 
 def chat_logprobs(entries, token_text) -> dict:
@@ -39,6 +46,24 @@ def logprobs_body(chat: bool, entries, offsets: list[int], tokenizer) -> dict:
         return tokenizer.decode([token_id])
 
     return chat_logprobs(entries, token_text) if chat else completion_logprobs(entries, token_text, offsets)
+
+
+def echo_logprobs(prompt_ids: list[int], entries, tokenizer) -> dict:
+    """Legacy completions `logprobs` of the prompt's tokens (echo): entries are
+    GenerationResult.prompt_logprobs (None first); text_offset from the decoded prefixes."""
+    return {"tokens": [tokenizer.decode([t]) for t in prompt_ids],
+            "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": [None if e is None else {tokenizer.decode([t]): lp for t, lp in e.top} for e in entries],
+            "text_offset": [len(tokenizer.decode(prompt_ids[:j])) for j in range(len(prompt_ids))]}
+
+
+def join_logprobs(first: dict, then: dict | None, shift: int) -> dict:
+    """Legacy completions logprobs of `first`'s text followed by `then`'s (its offsets + shift)."""
+    if then is None:
+        return first
+    return {"tokens": first["tokens"] + then["tokens"], "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
+            "top_logprobs": first["top_logprobs"] + then["top_logprobs"],
+            "text_offset": first["text_offset"] + [shift + o for o in then["text_offset"]]}
 
 
 def finish_reason(reason: str) -> str:
@@ -72,29 +97,42 @@ class ResponseIds:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def full_response(ids: ResponseIds, result, prompt_tokens: int, tokenizer) -> dict:
-    """The non-streamed body for a finished GenerationResult (tokenizer: for the logprobs' token texts).
+def completion_tokens(result) -> int:
+    """Tokens a result adds to usage: an EOS that ended the output is not counted."""
+    return len(result.token_ids) - int(result.finish_reason == "eos")
+
+
+def full_response(ids: ResponseIds, results, prompt_tokens: int, tokenizer, wire=None) -> dict:
+    """The non-streamed body for a request's finished GenerationResults, one per choice
+    (tokenizer: for the logprobs' token texts; wire: the frontend.builder.WireRequest, for echo).
     Logprobs cover exactly the returned text (GenerationResult.num_text_tokens)."""
-    finished_by_eos = result.finish_reason == "eos"
-    choice = {"index": 0, "finish_reason": finish_reason(result.finish_reason), "logprobs": None}
-    if result.logprobs is not None:
-        n = result.num_text_tokens
-        choice["logprobs"] = logprobs_body(ids.chat, result.logprobs[:n], result.text_offsets[:n], tokenizer)
-    if ids.chat:
-        choice["message"] = {"role": "assistant", "content": result.text}
-    else:
-        choice["text"] = result.text
-    return {**ids.base(chunk=False), "choices": [choice],
-            "usage": usage(prompt_tokens, len(result.token_ids) - int(finished_by_eos)),
-            "speculation": speculation(result.stats)}
+    echo = wire.echo if wire is not None else None
+    choices = []
+    for index, result in enumerate(results):
+        choice = {"index": index, "finish_reason": finish_reason(result.finish_reason), "logprobs": None}
+        if result.logprobs is not None:
+            n = result.num_text_tokens
+            choice["logprobs"] = logprobs_body(ids.chat, result.logprobs[:n], result.text_offsets[:n], tokenizer)
+        if ids.chat:
+            choice["message"] = {"role": "assistant", "content": result.text}
+        else:
+            choice["text"] = result.text if echo is None else echo + result.text
+            if echo is not None and result.logprobs is not None:
+                choice["logprobs"] = join_logprobs(echo_logprobs(wire.prompt_ids, result.prompt_logprobs, tokenizer),
+                                                   choice["logprobs"], len(echo))
+        choices.append(choice)
+    stats = results[0].stats if len(results) == 1 else GenerationStats.combine([r.stats for r in results])
+    return {**ids.base(chunk=False), "choices": choices,
+            "usage": usage(prompt_tokens, sum(completion_tokens(r) for r in results)),
+            "speculation": speculation(stats)}
 
 
 def chunk(ids: ResponseIds, text: str | None, tokens: list[dict], finish: str | None = None,
-          role: bool = False, stats=None, logprobs: dict | None = None) -> dict:
+          role: bool = False, stats=None, logprobs: dict | None = None, index: int = 0) -> dict:
     """One SSE chunk: a delta of text (chat: role first), the tokens it holds with their origin
     (an extension, for the live page), the finish reason on the last, running speculation stats,
-    and the chunk's logprobs (chat_logprobs / completion_logprobs of its tokens)."""
-    choice: dict = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+    and the chunk's logprobs (chat_logprobs / completion_logprobs of its tokens); index: the choice."""
+    choice: dict = {"index": index, "finish_reason": finish, "logprobs": logprobs}
     if ids.chat:
         delta: dict = {}
         if role:

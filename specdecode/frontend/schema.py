@@ -3,8 +3,8 @@ pydantic models of /v1/completions and /v1/chat/completions bodies and their val
 
 Errors are `ApiError(status, message, param)`, answered as {"error": {"message", "type", "param",
 "code"}} (by the server as HTTP, by the batch job inside the output line). Fields the engine
-cannot honour exactly yet (logit_bias, n > 1, tools, ...) are refused with a 400 naming the field
-rather than silently ignored.
+cannot honour exactly yet (tools, suffix, ...) are refused with a 400 naming the field rather than
+silently ignored.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 MAX_GAMMA = 64
 MAX_LOGPROBS = 20
+MAX_CHOICES = 16                       # n, choices per request
 Number = Annotated[float, Field(strict=True)]  # JSON numbers only: "0.5" and true are refused
 
 
@@ -41,7 +42,7 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     model: StrictStr
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=0)   # 0 only with echo (score the prompt)
     temperature: Number | None = Field(default=None, ge=0, le=2)
     top_p: Number | None = Field(default=None, gt=0, le=1)
     top_k: StrictInt | None = Field(default=None, ge=-1)
@@ -50,7 +51,11 @@ class _Common(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: StrictInt | None = 1
+    n: StrictInt | None = Field(default=1, ge=1, le=MAX_CHOICES)
+    best_of: StrictInt | None = None                                # only n (the choices are all returned)
+    logit_bias: dict[StrictStr, Number] | None = None               # {"token id": bias in [-100, 100]}
+    min_tokens: StrictInt | None = Field(default=0, ge=0)           # vLLM's extension: EOS masked until then
+    ignore_eos: StrictBool | None = False                           # vLLM's extension: EOS does not end it
     presence_penalty: Number | None = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: Number | None = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: Number | None = Field(default=None, gt=0)   # vLLM's extension; transformers' semantics
@@ -89,13 +94,10 @@ class CompletionRequest(_Common):
 
 # Fields that change what a request returns: refused until they are done exactly, never ignored.
 # Each with the values that mean the same as leaving it out.
-UNSUPPORTED = {"logit_bias": ((None, {}), "logit_bias is not supported"),
-               "best_of": ((None, 1), "best_of is not supported (use n=1)"),
-               "suffix": ((None, ""), "suffix is not supported"),
+UNSUPPORTED = {"suffix": ((None, ""), "suffix is not supported"),
                "tools": ((None, []), "tools are not supported"),
                "tool_choice": ((None, "none"), "tool_choice is not supported"),
-               "functions": ((None, []), "functions are not supported"),
-               "echo": ((None, False), "echo is not supported")}
+               "functions": ((None, []), "functions are not supported")}
 
 
 def _same(value, neutral) -> bool:
@@ -131,8 +133,18 @@ def _param(loc) -> str | None:
 
 def refuse_unsupported(request, body: dict) -> None:
     """What the engine does not do exactly yet gets a clear 400, never a silent change of output."""
-    if request.n not in (None, 1):
-        raise ApiError(400, "n must be 1: one completion per request", "n")
+    n = request.n or 1
+    if request.best_of is not None and request.best_of != n:
+        raise ApiError(400, f"best_of must equal n ({n}): every choice made is returned", "best_of")
+    if not isinstance(request, CompletionRequest) and not _same(body.get("echo"), False) and body.get("echo") is not None:
+        raise ApiError(400, "echo is a /v1/completions field", "echo")
+    if request.max_tokens == 0 and not getattr(request, "echo", False):
+        raise ApiError(400, "max_tokens must be >= 1 (0 only with echo: score the prompt)", "max_tokens")
+    for key, bias in (request.logit_bias or {}).items():
+        if not key.isascii() or not key.isdigit() or len(key) > 9:
+            raise ApiError(400, f"logit_bias keys must be token ids as strings, got {key[:20]!r}", "logit_bias")
+        if not -100 <= bias <= 100:
+            raise ApiError(400, f"logit_bias values must be in [-100, 100], got {bias} for token {key}", "logit_bias")
     if getattr(request, "top_logprobs", None) is not None and not getattr(request, "logprobs", False):
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     for name, (neutral, message) in UNSUPPORTED.items():

@@ -226,6 +226,14 @@ class HFCausalLM:
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     @torch.inference_mode()
+    def score(self, ids: list[int]) -> torch.Tensor:
+        """The next-token logits after each of ids, read alone from position 0 without the rows'
+        cache: [len(ids), V] float32, a plain forward of the model (prompt logprobs). Holds
+        len(ids) × V floats at once."""
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
+        return self.model(input_ids=tokens, use_cache=False).logits[0, :, :self.vocab_size].float().to(self.device)
+
+    @torch.inference_mode()
     def forward(self, feeds: list[list[int]], num_logits: int,
                 trees: list[list[int] | None] | None = None) -> torch.Tensor:
         """Append feeds[b] (possibly empty) to row b; return the next-token logits after each of

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from specdecode.engine.driver import Driver
-from specdecode.engine.request import Request
+from specdecode.frontend.builder import WireRequest
 from specdecode.frontend import responses
 from specdecode.frontend.schema import ApiError, ChatRequest, check_model
 from specdecode.scale.journal import OutputJournal
@@ -62,9 +62,9 @@ def read_rows(path: str, defaults: RowDefaults) -> list[Row]:
     return rows
 
 
-def build_request(decoder, row: Row, model: str) -> tuple[Request, int]:
-    """The engine request of a good row on this decoder (a SpeculativeDecoder) and its prompt's
-    token count: the server's own request path.
+def build_request(decoder, row: Row, model: str) -> WireRequest:
+    """The engine work of a good row on this decoder (a SpeculativeDecoder): the server's own
+    request path (frontend.builder.WireRequest: a Request per choice, the prompt).
 
     Raises:
         ApiError: what the server would answer to the row's body (400 for a prompt the model
@@ -92,16 +92,16 @@ def decode_rows(decoder, rows: Iterable[Row], max_batch_size: int, model: str = 
             emit(error_record(row))
             return None
         try:
-            return build_request(decoder, row, model)
+            wire = build_request(decoder, row, model)
         except ApiError as err:
             emit(error_record(dataclasses.replace(row, error=err if row.openai else f"line {row.line}: {err.message}")))
             return None
+        return wire.requests, wire
 
-    def finish(row: Row, result, prompt_tokens: int) -> None:
+    def finish(row: Row, results, wire) -> None:
         ids = responses.ResponseIds(isinstance(row.request, ChatRequest), model)
-        body = responses.full_response(ids, result, prompt_tokens, decoder.tokenizer)
-        emit(openai_record(row, 200, body) if row.openai else
-             result_record(row, result, prompt_tokens, body["choices"][0]["logprobs"]))
+        body = responses.full_response(ids, results, wire.prompt_tokens, decoder.tokenizer, wire)
+        emit(openai_record(row, 200, body) if row.openai else result_record(row, results, body))
 
     Driver(decoder.engine).decode_all(rows, submit, finish, max_batch_size)
     return records

@@ -14,7 +14,9 @@ Two line formats, detected per file from its first line:
   `messages`): max_tokens, temperature, top_p, top_k, min_p, seed, stop, the penalties,
   logprobs, response_format, grammar, ... Other fields (a dataset's own metadata) are ignored.
   The output line is {"id", "text", "finish_reason", "usage", "speculation"} (and "logprobs"
-  when asked for), or {"id", "error"} for a line that breaks these rules; the job goes on.
+  when asked for; with `n` > 1, "choices": [{"index", "text", "finish_reason", "logprobs"?}]
+  in place of text, finish_reason and logprobs; with `echo`, the text starts with the prompt),
+  or {"id", "error"} for a line that breaks these rules; the job goes on.
 
 Both formats are validated by the server's own schema (specdecode.frontend.schema), before any
 model is loaded.
@@ -26,6 +28,7 @@ import json
 from dataclasses import dataclass
 
 from specdecode.engine.request import GenerationResult
+from specdecode.engine.stats import GenerationStats
 from specdecode.frontend.schema import ApiError, ChatRequest, CompletionRequest, parse
 
 URLS = {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest}
@@ -157,15 +160,25 @@ def openai_record(row: Row, status: int, body: dict) -> dict:
             "response": {"status_code": status, "request_id": uuid.uuid4().hex, "body": body}, "error": None}
 
 
-def result_record(row: Row, result: GenerationResult, prompt_tokens: int, logprobs: dict | None = None) -> dict:
-    """A simple line's output: id, text, finish_reason (eos | stop | length), usage (token counts;
-    an EOS that ended the text is not a completion token), speculation stats, and the logprobs in
-    the server's shape when the line asked for them."""
-    completion = len(result.token_ids) - int(result.finish_reason == "eos")
-    record = {"id": row.id, "text": result.text, "finish_reason": result.finish_reason,
-              "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                        "total_tokens": prompt_tokens + completion},
-              "speculation": result.stats.to_dict()}
-    if logprobs is not None:
-        record["logprobs"] = logprobs
+def result_record(row: Row, results: list[GenerationResult], body: dict) -> dict:
+    """A simple line's output, from the results of its choices and the server's body for them:
+    id, text, finish_reason (eos | stop | length), usage (token counts; an EOS that ended the
+    text is not a completion token), speculation stats, and the logprobs in the server's shape
+    when the line asked for them. A line with n > 1 gets "choices": [{"index", "text",
+    "finish_reason", "logprobs"?}, ...] instead of text, finish_reason and logprobs."""
+    choices = []
+    for result, choice in zip(results, body["choices"]):
+        text = choice["message"]["content"] if "message" in choice else choice["text"]  # with echo's prompt
+        entry = {"index": choice["index"], "text": text, "finish_reason": result.finish_reason}
+        if choice["logprobs"] is not None:
+            entry["logprobs"] = choice["logprobs"]
+        choices.append(entry)
+    record = {"id": row.id}
+    if len(choices) == 1:
+        record.update({k: v for k, v in choices[0].items() if k != "index"})
+    else:
+        record["choices"] = choices
+    record["usage"] = body["usage"]
+    record["speculation"] = (results[0].stats if len(results) == 1 else
+                             GenerationStats.combine([r.stats for r in results])).to_dict()
     return record

@@ -117,10 +117,11 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
         req = parse(kind, body)
         check_model(req, model_name)
         # Tokenizing a long prompt takes a while: off the event loop, so other streams flow meanwhile.
-        request, prompt_tokens = await asyncio.to_thread(decoder.requests.from_wire, req)
-        handle = Handle(request, asyncio.get_running_loop())
+        wire = await asyncio.to_thread(decoder.requests.from_wire, req)
+        loop = asyncio.get_running_loop()
+        handles = [Handle(request, loop) for request in wire.requests]  # one per choice
         try:
-            worker.submit(handle)
+            worker.submit(*handles)
         except QueueFull as err:
             raise ApiError(429, f"server busy: {err}; retry later") from None
         except ShuttingDown as err:
@@ -128,13 +129,13 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
         ids = protocol.ResponseIds(chat, model_name)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(handle, ids, prompt_tokens, include_usage),
+            return StreamingResponse(stream(handles, ids, wire, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        result = await wait(http, handle)
-        if result is None:  # the client left; nobody reads this
+        results = await wait(http, handles)
+        if results is None:  # the client left; nobody reads this
             return Response(status_code=499)
         metrics.requests.labels(status="200").inc()
-        return protocol.full_response(ids, result, prompt_tokens, decoder.tokenizer)
+        return protocol.full_response(ids, results, wire.prompt_tokens, decoder.tokenizer, wire)
 
     async def read_json(http: HttpRequest):
         declared = http.headers.get("content-length")
@@ -160,91 +161,142 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
                 metrics.itl.observe((now - state["last"]) / tokens)
         state["last"] = now
 
-    async def wait(http: HttpRequest, handle: Handle):
-        """The finished result, or None after aborting the row if the client went away first."""
-        state, result = {}, None
+    async def wait(http: HttpRequest, handles: list[Handle]):
+        """The finished results (one per choice), or None after aborting the rows if the client
+        went away first."""
+        states, results = [{} for _ in handles], [None] * len(handles)
+        inbox, tasks = merge(handles)
+        running = len(handles)
         checked = float("-inf")  # check at once, then on a clock
-        while True:
-            try:
-                item = await asyncio.wait_for(handle.queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                item = ...
-            # A running row delivers every step, so the client is checked on a clock, not on silence.
-            if time.perf_counter() - checked >= DISCONNECT_POLL_S:
-                checked = time.perf_counter()
-                if await http.is_disconnected():
-                    worker.abort(handle)
-                    metrics.requests.labels(status="aborted").inc()
-                    return None
-            if item is ...:
-                continue
-            if item is None:
-                count_tokens(result)
-                return result
-            if isinstance(item, Exception):
-                raise failure(item)
-            observe(handle, state, item)
-            result = item.result or result
+        try:
+            while running:
+                try:
+                    index, item = await asyncio.wait_for(inbox.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    index, item = None, ...
+                # A running row delivers every step, so the client is checked on a clock, not on silence.
+                if time.perf_counter() - checked >= DISCONNECT_POLL_S:
+                    checked = time.perf_counter()
+                    if await http.is_disconnected():
+                        for handle in handles:
+                            worker.abort(handle)
+                        metrics.requests.labels(status="aborted").inc()
+                        return None
+                if item is None:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    for handle in handles:
+                        worker.abort(handle)
+                    raise failure(item)
+                elif item is not ...:
+                    observe(handles[index], states[index], item)
+                    results[index] = item.result or results[index]
+        finally:
+            for task in tasks:
+                task.cancel()
+        for result in results:
+            count_tokens(result)
+        return results
 
     def count_tokens(result) -> None:
-        metrics.generation_tokens.inc(len(result.token_ids) - int(result.finish_reason == "eos"))
+        metrics.generation_tokens.inc(protocol.completion_tokens(result))
 
-    async def stream(handle: Handle, ids, prompt_tokens: int, include_usage: bool):
-        outcome, state = "aborted", {}  # until the stream ends on its own
-        waiting: list = []  # events whose logprobs wait until their text is sent (a stop may cut it)
-        sent = listed = 0   # characters of text sent; tokens whose logprobs were sent
-
-        def chunk_logprobs(events, result=None):
-            nonlocal sent, listed
-            if handle.request.config.logprobs is None:
-                return None
-            waiting.extend(events)
-            sent += sum(len(e.text) for e in events)
-            if result is None:  # a token whose text has started reaching the client is in the output
-                ready = next((i for i, e in enumerate(waiting) if e.text_offset >= sent), len(waiting))
-            else:  # the output's last tokens: those with text in it (result.num_text_tokens)
-                ready = result.num_text_tokens - listed
-            entries, waiting[:ready] = waiting[:ready], []
-            listed += len(entries)
-            return protocol.logprobs_body(ids.chat, [e.logprob for e in entries],
-                                          [e.text_offset for e in entries], decoder.tokenizer)
-
+    async def stream(handles: list[Handle], ids, wire, include_usage: bool):
+        outcome = "aborted"  # until the stream ends on its own
+        choices = [_ChoiceStream(ids, handle.request.config.logprobs is not None, decoder.tokenizer,
+                                 len(wire.echo or "")) for handle in handles]
+        states, results = [{} for _ in handles], [None] * len(handles)
+        inbox, tasks = merge(handles)
+        running = len(handles)
         try:
             if ids.chat:
-                yield sse(protocol.chunk(ids, "", [], role=True))
-            while True:
-                item = await handle.queue.get()
+                for index in range(len(handles)):
+                    yield sse(protocol.chunk(ids, "", [], role=True, index=index))
+            echoed = [wire.echo is None] * len(handles)
+            while running:
+                index, item = await inbox.get()
                 if item is None:
-                    break
+                    running -= 1
+                    continue
                 if isinstance(item, Exception):
                     error = failure(item)
                     outcome = str(error.status)
                     yield sse(error.body())
                     break
-                observe(handle, state, item)
+                if not echoed[index]:  # a choice's first output: the prompt (and its logprobs) first
+                    echoed[index] = True
+                    logprobs = (protocol.echo_logprobs(wire.prompt_ids, item.prompt_logprobs, decoder.tokenizer)
+                                if choices[index].logprobs else None)
+                    yield sse(protocol.chunk(ids, wire.echo, [], logprobs=logprobs, index=index))
+                observe(handles[index], states[index], item)
                 tokens = [{"id": e.token_id, "text": e.text, "origin": e.origin} for e in item.events]
+                text = "".join(e.text for e in item.events)
                 if item.result is None:
                     if tokens:
-                        yield sse(protocol.chunk(ids, "".join(e.text for e in item.events), tokens, stats=item.stats,
-                                                 logprobs=chunk_logprobs(item.events)))
+                        yield sse(protocol.chunk(ids, text, tokens, stats=item.stats, index=index,
+                                                 logprobs=choices[index].logprobs_of(item.events)))
                     continue
-                result = item.result
-                outcome = "200"
+                results[index] = result = item.result
                 count_tokens(result)
-                yield sse(protocol.chunk(ids, "".join(e.text for e in item.events), tokens,
-                                         protocol.finish_reason(result.finish_reason), stats=result.stats,
-                                         logprobs=chunk_logprobs(item.events, result)))
+                yield sse(protocol.chunk(ids, text, tokens, protocol.finish_reason(result.finish_reason),
+                                         stats=result.stats, index=index,
+                                         logprobs=choices[index].logprobs_of(item.events, result)))
+            else:
+                outcome = "200"
                 if include_usage:
-                    completion = len(result.token_ids) - int(result.finish_reason == "eos")
+                    completion = sum(protocol.completion_tokens(r) for r in results)
                     yield sse({**ids.base(chunk=True), "choices": [],
-                               "usage": protocol.usage(prompt_tokens, completion)})
+                               "usage": protocol.usage(wire.prompt_tokens, completion)})
             yield "data: [DONE]\n\n"
         finally:
-            if outcome == "aborted":  # the client went away: free the row
-                worker.abort(handle)
+            for task in tasks:
+                task.cancel()
+            if outcome != "200":  # the client went away or a choice failed: free the rows
+                for handle in handles:
+                    worker.abort(handle)
             metrics.requests.labels(status=outcome).inc()
 
     return app
+
+
+def merge(handles: list[Handle]) -> tuple[asyncio.Queue, list[asyncio.Task]]:
+    """One queue of (choice index, item) fed from every handle's queue as items come (each
+    handle's items end with None or an Exception), and the tasks feeding it (cancel them)."""
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def forward(index: int, handle: Handle):
+        while True:
+            item = await handle.queue.get()
+            inbox.put_nowait((index, item))
+            if item is None or isinstance(item, Exception):
+                return
+
+    return inbox, [asyncio.create_task(forward(i, h)) for i, h in enumerate(handles)]
+
+
+class _ChoiceStream:
+    """One streamed choice's logprobs bookkeeping: a token's logprobs are sent once its text has
+    started reaching the client (a stop string may cut the text inside it)."""
+
+    def __init__(self, ids, logprobs: bool, tokenizer, shift: int = 0):
+        self.ids, self.logprobs, self.tokenizer, self.shift = ids, logprobs, tokenizer, shift  # shift: echo's length
+        self.waiting: list = []  # events whose logprobs wait until their text is sent
+        self.sent = self.listed = 0  # characters of text sent; tokens whose logprobs were sent
+
+    def logprobs_of(self, events, result=None) -> dict | None:
+        """The chunk's logprobs for these events (result: the choice's last chunk)."""
+        if not self.logprobs:
+            return None
+        self.waiting.extend(events)
+        self.sent += sum(len(e.text) for e in events)
+        if result is None:  # a token whose text has started reaching the client is in the output
+            ready = next((i for i, e in enumerate(self.waiting) if e.text_offset >= self.sent), len(self.waiting))
+        else:  # the output's last tokens: those with text in it (result.num_text_tokens)
+            ready = result.num_text_tokens - self.listed
+        entries, self.waiting[:ready] = self.waiting[:ready], []
+        self.listed += len(entries)
+        return protocol.logprobs_body(self.ids.chat, [e.logprob for e in entries],
+                                      [self.shift + e.text_offset for e in entries], self.tokenizer)
 
 
 def failure(err: Exception) -> ApiError:

@@ -75,23 +75,25 @@ class EngineWorker:
     def num_running(self) -> int:
         return len(self.engine.running)
 
-    def submit(self, handle: Handle) -> None:
-        """Queue a request (from the event loop).
+    def submit(self, *handles: Handle) -> None:
+        """Queue requests (from the event loop): all of them (a request's n choices) or none.
 
         Raises:
-            QueueFull: max_queue requests are already waiting for a row.
+            QueueFull: there is no room for them all (max_queue requests may wait for a row).
+            ShuttingDown: the server is stopping.
         """
         with self._lock:
             if self._stop:
                 raise ShuttingDown("the server is shutting down")
             capacity = self.engine.capacity
             free = max(0, capacity - self.num_running) if capacity is not None else 1 << 30
-            if self.num_waiting >= self.max_queue + free:
+            if self.num_waiting + len(handles) > self.max_queue + free:
                 raise QueueFull(f"{self.num_waiting} requests are waiting (--max-queue {self.max_queue})")
-            self._pending += 1
+            self._pending += len(handles)
             # under the lock: a submit that passed the check is in the inbox before shutdown()
             # can set _stop, so the thread's last drain sees it and answers it
-            self._inbox.put(("add", handle))
+            for handle in handles:
+                self._inbox.put(("add", handle))
         self._wake.set()
 
     def abort(self, handle: Handle) -> None:
