@@ -85,7 +85,7 @@ def test_simple_lines_take_n_echo_logit_bias_min_tokens_and_ignore_eos(model_dir
     assert echo["text"] == "bad bed" and echo["usage"]["completion_tokens"] == 0
     assert echo["logprobs"]["token_logprobs"][0] is None and len(echo["logprobs"]["tokens"]) == 7
     assert all(v < 0 for v in echo["logprobs"]["token_logprobs"][1:])
-    assert records["bias"]["usage"]["completion_tokens"] == 3 and records["bias"]["finish_reason"] == "eos"
+    assert records["bias"]["usage"]["completion_tokens"] == 4 and records["bias"]["finish_reason"] == "eos"
     assert records["ignore"]["usage"]["completion_tokens"] == 5 and records["ignore"]["finish_reason"] == "length"
 
 

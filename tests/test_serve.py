@@ -224,6 +224,9 @@ def test_sixteen_concurrent_requests_each_equal_their_solo_result(server):
     ({"prompt": "abc", "num_speculative_tokens": -1}, 400, "num_speculative_tokens"),
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": [5, 999999]}, 400, "prompt"),
+    ({"prompt": ["abc", ""]}, 400, "prompt.1"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": ["abc"] * 20, "n": 16}, 400, "prompt"),
     ({}, 400, "prompt"),
     ({"prompt": "abc", "model": "gpt-4"}, 404, "model"),
 ])
@@ -655,6 +658,10 @@ def test_n_choices_are_each_the_seeded_request_alone_streamed_or_not(server):
     assert complete(server, "abc", n=3, best_of=3, **args).choices[2].text == both.choices[2].text
     streamed = streamed_choices(complete(server, "abc", n=3, stream=True, **args))
     assert [streamed[i][:2] for i in range(3)] == [[c.text, c.finish_reason] for c in both.choices]
+    several = complete(server, ["abc", "ace"], n=2, **args)  # a list of prompts: choices prompt-major
+    assert [c.text for c in several.choices[:2]] == [c.text for c in both.choices[:2]]
+    assert [c.text for c in several.choices[2:]] == [c.text for c in complete(server, "ace", n=2, **args).choices]
+    assert several.usage.prompt_tokens == 6
     replies = chat(server, "abc", n=2, temperature=0, max_tokens=10).choices
     assert len(replies) == 2 and replies[0].message.content == replies[1].message.content  # greedy: equal
 
@@ -702,6 +709,10 @@ def test_echo_with_logprobs_scores_the_prompt_as_a_plain_forward(server, chat_mo
     assert streamed[0] == full.text and streamed[2][0] is None
     assert streamed[2][1:] == pytest.approx(full.logprobs.token_logprobs[1:], abs=1e-6)
     assert complete(server, prompt, echo=True, max_tokens=3).choices[0].text.startswith(prompt)
+    # lm-evaluation-harness's loglikelihood request: token-id prompts in a list, one token generated
+    harness = complete(server, [ids, ids[:4]], echo=True, logprobs=1, max_tokens=1).choices
+    assert [len(c.logprobs.tokens) for c in harness] == [len(ids) + 1, 5] and harness[1].text.startswith(prompt[:4])
+    assert harness[0].logprobs.token_logprobs[:len(ids)] == full.logprobs.token_logprobs[:len(ids)]
     for body, param in (({"prompt": prompt, "max_tokens": 0}, "max_tokens"),):
         response = httpx.post(server.url + "/v1/completions", json={"model": "tiny", **body}, timeout=30)
         assert response.status_code == 400 and response.json()["error"]["param"] == param
@@ -718,9 +729,9 @@ def test_min_tokens_and_ignore_eos_hold_eos_back_alike_with_and_without_speculat
     likely_eos = {eos: 30}  # EOS first, unless masked
     for srv in (server, plain_server):
         ended = complete(srv, "abc", max_tokens=10, logit_bias=likely_eos)
-        assert ended.choices[0].text == "" and ended.usage.completion_tokens == 0
+        assert ended.choices[0].text == "" and ended.usage.completion_tokens == 1  # the EOS
         held = complete(srv, "abc", max_tokens=10, logit_bias=likely_eos, extra_body={"min_tokens": 4})
-        assert held.usage.completion_tokens == 4 and held.choices[0].finish_reason == "stop"
+        assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"  # 4, then EOS
         ignored = complete(srv, "abc", max_tokens=10, logit_bias=likely_eos, extra_body={"ignore_eos": True})
         assert ignored.usage.completion_tokens == 10 and ignored.choices[0].finish_reason == "length"
     kwargs = dict(max_tokens=10, logit_bias={eos: 2.0}, extra_body={"min_tokens": 5})

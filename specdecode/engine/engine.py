@@ -115,7 +115,7 @@ class _Row:
             self.stats.num_guard_pauses = self.policy.guard.num_pauses
         return GenerationResult(self.out.text, self.out.token_ids, self.out.finish_reason, self.stats,
                                 self.out.origins, self.out.logprobs, self.out.text_offsets,
-                                self.out.num_text_tokens, self.prompt_logprobs)
+                                self.out.num_returned_tokens, self.prompt_logprobs)
 
 
 def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor, config: DecodeConfig,

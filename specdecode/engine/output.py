@@ -63,13 +63,14 @@ class Output:
         return text
 
     @property
-    def num_text_tokens(self) -> int:
-        """How many of token_ids the text covers: after a stop, the tokens whose text starts before
-        the cut (one in which the stop begins counts: part of its text is returned); otherwise all
-        but an EOS that ended the output."""
+    def num_returned_tokens(self) -> int:
+        """How many of token_ids a response lists (logprobs): after a stop, the tokens whose text
+        starts before the cut (one in which the stop begins counts: part of its text is
+        returned); otherwise all, an EOS that ended the output included (it adds no text; listed
+        as OpenAI's and vLLM's servers do, so `max_tokens: 1` always lists one token)."""
         if self.finish_reason == "stop":
             return sum(offset < len(self.text) for offset in self.text_offsets)
-        return len(self.token_ids) - int(self.finish_reason == "eos")
+        return len(self.token_ids)
 
     def _flush(self) -> str:
         text = self.detok.flush() if self.detok is not None else ""

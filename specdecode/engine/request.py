@@ -118,7 +118,7 @@ class GenerationResult:
     origins: list[str]    # per token: accepted | corrected | bonus | target
     logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for them
     text_offsets: list[int] | None = None  # per token: where its text starts in `text`'s characters
-    num_text_tokens: int | None = None  # of token_ids, those with text in `text` (Output.num_text_tokens)
+    num_returned_tokens: int | None = None  # of token_ids, those a response lists (Output.num_returned_tokens)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None), when asked
 
     def to_dict(self) -> dict:

@@ -16,7 +16,7 @@ import warnings
 
 from specdecode.engine.request import DecodeConfig, Request
 from specdecode.frontend.schema import MAX_LOGPROBS, ApiError, ChatRequest, CompletionRequest, \
-    max_tokens, num_logprobs, stops
+    max_tokens, num_logprobs, prompt_list, stops
 from specdecode.sampling import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
@@ -67,17 +67,19 @@ def generation_defaults(model) -> dict:
 
 @dataclass(frozen=True)
 class WireRequest:
-    """A server body or batch line as engine work: one Request per choice (`n`), the prompt's
-    token ids, and for a completions body with `echo` the prompt text returned before each
-    choice's text (None without echo)."""
+    """A server body or batch line as engine work: one Request per completion, prompt-major
+    (request i is prompt i // n's choice i % n), each prompt's token ids, and for a completions
+    body with `echo` each prompt's text, returned before its choices' texts (None without echo)."""
 
     requests: list[Request]
-    prompt_ids: list[int]
-    echo: str | None = None
+    prompt_ids: list[list[int]]
+    n: int = 1
+    echo: list[str] | None = None
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
+        """usage.prompt_tokens: every prompt counted once."""
+        return sum(len(ids) for ids in self.prompt_ids)
 
 
 class RequestBuilder:
@@ -298,7 +300,7 @@ class RequestBuilder:
 
     def from_wire(self, req: ChatRequest | CompletionRequest, template: bool | None = False) -> WireRequest:
         """The engine work of a validated server body or batch line (WireRequest: a Request per
-        choice, the prompt ids, the echoed prompt).
+        completion, prompts × n; each prompt's ids; the echoed prompts).
 
         template: for a completions body with a string prompt, send it through the chat template
             as one user message (None: when the target has one; the batch job's `prompt` lines).
@@ -311,24 +313,27 @@ class RequestBuilder:
                 of range or an invalid response_format/grammar.
         """
         chat = isinstance(req, ChatRequest)
-        param = "messages" if chat else "prompt"
-        try:
-            if chat:
-                ids = self.check_ids(self.chat_ids([{"role": m.role, "content": m.text()} for m in req.messages]))
-            else:
-                ids = self.encode(req.prompt, chat=template if isinstance(req.prompt, str) else None)
-        except (ValueError, TypeError) as err:
-            raise ApiError(400, str(err).splitlines()[0] if str(err) else "the prompt cannot be tokenized", param) \
-                from None
+        prompts = [None] if chat else prompt_list(req)
+        all_ids = []
+        for i, prompt in enumerate(prompts):
+            param = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt.{i}"
+            try:
+                all_ids.append(self.check_ids(self.chat_ids([{"role": m.role, "content": m.text()}
+                                                             for m in req.messages])) if chat else
+                               self.encode(prompt, chat=template if isinstance(prompt, str) else None))
+            except (ValueError, TypeError) as err:
+                raise ApiError(400, str(err).splitlines()[0] if str(err) else "the prompt cannot be tokenized",
+                               param) from None
+        longest = max(len(ids) for ids in all_ids)
         limit = self.target.max_length
-        room = limit - len(ids) if limit is not None else None
+        room = limit - longest if limit is not None else None
         default = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS
         if chat and room is not None:
             default = min(default, room)
         max_new = max_tokens(req, default)
         if room is not None and max_new > room:
             field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
-            raise ApiError(400, f"the prompt has {len(ids)} tokens and {field} is {max_new}: more than the model's "
+            raise ApiError(400, f"the prompt has {longest} tokens and {field} is {max_new}: more than the model's "
                                 f"context of {limit} tokens", field)
         outside = sorted(int(k) for k in req.logit_bias or {} if int(k) >= self.target.vocab_size)
         if outside:
@@ -359,16 +364,14 @@ class RequestBuilder:
             raise ApiError(400, str(err)) from None
         if req.num_speculative_tokens is not None:
             config = dataclasses.replace(config, num_speculative_tokens=req.num_speculative_tokens)
+        n = req.n or 1
         requests = [self.request(ids, dataclasses.replace(config, sampling=s))
-                    for s in choice_samplings(config.sampling, req.n or 1)]
+                    for ids in all_ids for s in choice_samplings(config.sampling, n)]
         echoed = None
         if echo:
-            if isinstance(req.prompt, str):
-                echoed = req.prompt
-            else:
-                with self._lock:
-                    echoed = self.tokenizer.decode(ids)
-        return WireRequest(requests, ids, echoed)
+            with self._lock:
+                echoed = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, all_ids)]
+        return WireRequest(requests, all_ids, n, echoed)
 
     @staticmethod
     def wire_sampling(req: ChatRequest | CompletionRequest) -> SamplingParams:

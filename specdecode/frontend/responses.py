@@ -3,12 +3,14 @@ step outputs turned into response bodies and stream chunks. Pure functions (no I
 
 Logprobs are the target's raw log-probabilities (before penalties, grammar and temperature), in
 OpenAI's chat `logprobs.content[]` and legacy completions `logprobs` shapes. They cover exactly
-the returned text: the EOS token that ends an output is not listed (nor counted in usage), and
-where a stop string ends the output, the tokens listed are those whose text starts before it
-(a token in which the stop begins is listed; `text_offset` never points past the text).
+the returned text: where a stop string ends the output, the tokens listed are those whose text
+starts before it (a token in which the stop begins is listed; `text_offset` never points past
+the text); an EOS that ends an output is listed (it adds no text) and counted in usage, as
+vLLM does, so a harness asking `max_tokens: 1` always reads one generated token.
 
-A request for n choices gets choices indexed 0..n-1 (streamed: chunks of the choices interleave,
-each naming its index) and `usage` counting the prompt once and every choice's tokens. A
+A request for n choices of P prompts gets choices indexed 0..P·n-1, prompt-major (streamed: chunks
+of the choices interleave, each naming its index), and `usage` counting each prompt once and every
+choice's tokens. A
 completions request with `echo` gets the prompt text before each choice's text and, with
 `logprobs`, the prompt tokens' entries first (the first token's logprob and alternatives null).
 """
@@ -98,27 +100,29 @@ class ResponseIds:
 
 
 def completion_tokens(result) -> int:
-    """Tokens a result adds to usage: an EOS that ended the output is not counted."""
-    return len(result.token_ids) - int(result.finish_reason == "eos")
+    """Tokens a result adds to usage: every token generated, an EOS that ended it included (as
+    vLLM counts)."""
+    return len(result.token_ids)
 
 
 def full_response(ids: ResponseIds, results, prompt_tokens: int, tokenizer, wire=None) -> dict:
     """The non-streamed body for a request's finished GenerationResults, one per choice
     (tokenizer: for the logprobs' token texts; wire: the frontend.builder.WireRequest, for echo).
-    Logprobs cover exactly the returned text (GenerationResult.num_text_tokens)."""
-    echo = wire.echo if wire is not None else None
+    Logprobs cover exactly the returned text (GenerationResult.num_returned_tokens)."""
     choices = []
     for index, result in enumerate(results):
+        echo = wire.echo[index // wire.n] if wire is not None and wire.echo is not None else None
         choice = {"index": index, "finish_reason": finish_reason(result.finish_reason), "logprobs": None}
         if result.logprobs is not None:
-            n = result.num_text_tokens
+            n = result.num_returned_tokens
             choice["logprobs"] = logprobs_body(ids.chat, result.logprobs[:n], result.text_offsets[:n], tokenizer)
         if ids.chat:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
             choice["text"] = result.text if echo is None else echo + result.text
             if echo is not None and result.logprobs is not None:
-                choice["logprobs"] = join_logprobs(echo_logprobs(wire.prompt_ids, result.prompt_logprobs, tokenizer),
+                prompt_ids = wire.prompt_ids[index // wire.n]
+                choice["logprobs"] = join_logprobs(echo_logprobs(prompt_ids, result.prompt_logprobs, tokenizer),
                                                    choice["logprobs"], len(echo))
         choices.append(choice)
     stats = results[0].stats if len(results) == 1 else GenerationStats.combine([r.stats for r in results])

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 MAX_GAMMA = 64
 MAX_LOGPROBS = 20
-MAX_CHOICES = 16                       # n, choices per request
+MAX_CHOICES = 16                       # n, choices per prompt
+MAX_ROWS = 256                         # prompts × n of one request
 Number = Annotated[float, Field(strict=True)]  # JSON numbers only: "0.5" and true are refused
 
 
@@ -87,7 +88,8 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictInt]
+    # one prompt (text or token ids) or, as OpenAI's API takes, a list of them (choices prompt-major)
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool | None = False
 
@@ -134,6 +136,12 @@ def _param(loc) -> str | None:
 def refuse_unsupported(request, body: dict) -> None:
     """What the engine does not do exactly yet gets a clear 400, never a silent change of output."""
     n = request.n or 1
+    prompts = prompt_list(request) if isinstance(request, CompletionRequest) else [None]
+    if not prompts:
+        raise ApiError(400, "prompt is empty; give a string, token ids, or a list of either", "prompt")
+    if len(prompts) * n > MAX_ROWS:
+        raise ApiError(400, f"{len(prompts)} prompts × n={n} is more than {MAX_ROWS} completions in one request",
+                       "prompt" if len(prompts) > 1 else "n")
     if request.best_of is not None and request.best_of != n:
         raise ApiError(400, f"best_of must equal n ({n}): every choice made is returned", "best_of")
     if not isinstance(request, CompletionRequest) and not _same(body.get("echo"), False) and body.get("echo") is not None:
@@ -154,6 +162,14 @@ def refuse_unsupported(request, body: dict) -> None:
         raise ApiError(400, "stop must be at most 16 non-empty strings", "stop")
     if request.stop == "":
         raise ApiError(400, "stop must be a non-empty string", "stop")
+
+
+def prompt_list(request: CompletionRequest) -> list:
+    """A completions body's prompts: one (a string or token ids) or a list of them."""
+    prompt = request.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
 
 
 def stops(request) -> list[str]:

@@ -162,8 +162,8 @@ def openai_record(row: Row, status: int, body: dict) -> dict:
 
 def result_record(row: Row, results: list[GenerationResult], body: dict) -> dict:
     """A simple line's output, from the results of its choices and the server's body for them:
-    id, text, finish_reason (eos | stop | length), usage (token counts; an EOS that ended the
-    text is not a completion token), speculation stats, and the logprobs in the server's shape
+    id, text, finish_reason (eos | stop | length), usage (token counts, an EOS that ended the
+    text included), speculation stats, and the logprobs in the server's shape
     when the line asked for them. A line with n > 1 gets "choices": [{"index", "text",
     "finish_reason", "logprobs"?}, ...] instead of text, finish_reason and logprobs."""
     choices = []

@@ -119,7 +119,12 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
         # Tokenizing a long prompt takes a while: off the event loop, so other streams flow meanwhile.
         wire = await asyncio.to_thread(decoder.requests.from_wire, req)
         loop = asyncio.get_running_loop()
-        handles = [Handle(request, loop) for request in wire.requests]  # one per choice
+        handles = [Handle(request, loop) for request in wire.requests]  # one per completion
+        room = worker.max_queue + (decoder.engine.capacity or len(handles))
+        if len(handles) > room:
+            raise ApiError(400, f"this request asks for {len(handles)} completions; this server holds at most {room} "
+                                "at once (--max-queue and --max-batch-size): send fewer prompts or a smaller n",
+                           "prompt" if len(wire.prompt_ids) > 1 else "n")
         try:
             worker.submit(*handles)
         except QueueFull as err:
@@ -203,8 +208,9 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
 
     async def stream(handles: list[Handle], ids, wire, include_usage: bool):
         outcome = "aborted"  # until the stream ends on its own
+        echoes = [None if wire.echo is None else wire.echo[i // wire.n] for i in range(len(handles))]
         choices = [_ChoiceStream(ids, handle.request.config.logprobs is not None, decoder.tokenizer,
-                                 len(wire.echo or "")) for handle in handles]
+                                 len(echo or "")) for handle, echo in zip(handles, echoes)]
         states, results = [{} for _ in handles], [None] * len(handles)
         inbox, tasks = merge(handles)
         running = len(handles)
@@ -212,7 +218,7 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
             if ids.chat:
                 for index in range(len(handles)):
                     yield sse(protocol.chunk(ids, "", [], role=True, index=index))
-            echoed = [wire.echo is None] * len(handles)
+            echoed = [echo is None for echo in echoes]
             while running:
                 index, item = await inbox.get()
                 if item is None:
@@ -225,9 +231,10 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
                     break
                 if not echoed[index]:  # a choice's first output: the prompt (and its logprobs) first
                     echoed[index] = True
-                    logprobs = (protocol.echo_logprobs(wire.prompt_ids, item.prompt_logprobs, decoder.tokenizer)
+                    prompt_ids = wire.prompt_ids[index // wire.n]
+                    logprobs = (protocol.echo_logprobs(prompt_ids, item.prompt_logprobs, decoder.tokenizer)
                                 if choices[index].logprobs else None)
-                    yield sse(protocol.chunk(ids, wire.echo, [], logprobs=logprobs, index=index))
+                    yield sse(protocol.chunk(ids, echoes[index], [], logprobs=logprobs, index=index))
                 observe(handles[index], states[index], item)
                 tokens = [{"id": e.token_id, "text": e.text, "origin": e.origin} for e in item.events]
                 text = "".join(e.text for e in item.events)
@@ -291,8 +298,8 @@ class _ChoiceStream:
         self.sent += sum(len(e.text) for e in events)
         if result is None:  # a token whose text has started reaching the client is in the output
             ready = next((i for i, e in enumerate(self.waiting) if e.text_offset >= self.sent), len(self.waiting))
-        else:  # the output's last tokens: those with text in it (result.num_text_tokens)
-            ready = result.num_text_tokens - self.listed
+        else:  # the output's last tokens: those with text in it (result.num_returned_tokens)
+            ready = result.num_returned_tokens - self.listed
         entries, self.waiting[:ready] = self.waiting[:ready], []
         self.listed += len(entries)
         return protocol.logprobs_body(self.ids.chat, [e.logprob for e in entries],
