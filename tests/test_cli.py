@@ -133,6 +133,9 @@ def test_summary_of_a_one_token_run_says_1_token(model_dirs, capsys):
     (["generate", "hi", "--logprobs", "2"], "--logprobs is printed in the --json output: add --json"),
     (["generate", "hi", "--json-schema", "/no/such/schema.json"], "--json-schema: cannot read /no/such/schema.json"),
     (["generate", "hi", "--grammar", "/no/such/g.ebnf"], "--grammar: cannot read /no/such/g.ebnf"),
+    (["generate", "hi", "--logit-bias", "5:1"], "--logit-bias takes ID=BIAS"),
+    (["generate", "hi", "--logit-bias", "5=200"], "logit_bias values must be numbers in [-100, 100]"),
+    (["generate", "hi", "--min-tokens", "9", "--max-new-tokens", "8"], "--min-tokens (9) must be at most"),
 ])
 def test_bad_flags_exit_2_with_one_error_line(args, message, capsys):
     with pytest.raises(SystemExit, match="^2$"):
@@ -273,6 +276,17 @@ def test_generate_json_with_logprobs_penalties_and_a_grammar(model_dirs, tmp_pat
              "--temperature", "0", "--max-new-tokens", "12", "--quiet", "--json", "--raw"]
     assert main(plain + ["--repetition-penalty", "1.3", "--grammar", str(grammar)]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == record["token_ids"]
+
+
+def test_generate_min_tokens_ignore_eos_and_logit_bias(model_dirs, capsys):
+    base = ["generate", "abc", "--target", model_dirs["target"], "--draft", model_dirs["draft"], "--dtype", "float32",
+            "--temperature", "0", "--max-new-tokens", "10", "--quiet", "--json", "--raw", "--logit-bias", "1=40"]
+    records = []
+    for extra in ([], ["--min-tokens", "4"], ["--ignore-eos"]):  # 1 is <eos>: first, unless held back
+        assert main(base + extra) == 0
+        records.append(json.loads(capsys.readouterr().out))
+    assert [len(r["token_ids"]) for r in records] == [1, 5, 10]
+    assert [r["finish_reason"] for r in records] == ["eos", "eos", "length"]
 
 
 def test_an_invalid_schema_or_grammar_exits_2_with_the_engines_message(model_dirs, tmp_path, capsys):

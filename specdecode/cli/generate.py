@@ -56,6 +56,15 @@ def add_parser(sub) -> None:
     gen.add_argument("--frequency-penalty", type=float, default=0.0, metavar="P",
                      help="subtract P × count from the logits of tokens already generated, in [-2, 2] "
                           "(OpenAI's; 0 = off)")
+    gen.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                     help="EOS (and only EOS) cannot end the output before N tokens: masked on the target and "
+                          "the draft until then (exact: the target's distribution so conditioned); default 0")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="EOS does not end the output: generate --max-new-tokens tokens (EOS may appear among "
+                          "them; for benchmarks)")
+    gen.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                     help="add BIAS in [-100, 100] to token ID's logit before temperature (OpenAI's logit_bias), "
+                          "on the target and the draft; repeatable")
     gen.add_argument("--logprobs", type=int, default=None, metavar="N",
                      help="with --json: each token's log-probability under the target's raw distribution "
                           "(before penalties, grammar and temperature) and the N most likely alternatives, "
@@ -127,10 +136,20 @@ def _parse(args, parser):
         parser.error(f"--logprobs must be in [0, 20], got {args.logprobs}")
     if args.logprobs is not None and not args.json:
         parser.error("--logprobs is printed in the --json output: add --json")
+    bias = {}
+    for item in args.logit_bias:
+        token, _, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            parser.error(f"--logit-bias takes ID=BIAS (e.g. 151643=-100), got {item!r}")
+    if args.min_tokens > args.max_new_tokens:
+        parser.error(f"--min-tokens ({args.min_tokens}) must be at most --max-new-tokens ({args.max_new_tokens})")
     try:
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   min_p=args.min_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
-                                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+                                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                                  logit_bias=bias or None, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos)
     except ValueError as err:
         parser.error(str(err))
     check_model_flags(args, parser)
