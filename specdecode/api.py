@@ -87,7 +87,10 @@ class SpeculativeDecoder:
         prompt_lookup: first try to copy the continuation of an earlier occurrence of the last
             tokens (paper §3.6, free drafts); the draft model serves the other steps. None
             (default): on when there is a draft model. With draft=None and prompt_lookup=True,
-            lookup is the only proposer; draft=None alone is plain decoding.
+            lookup is the only proposer; draft=None alone is plain decoding. "suffix": suffix
+            drafts instead (specdecode.proposers.suffix: longer matches, the most frequent
+            continuation, and earlier requests' outputs as well as the row's own tokens); True
+            or "ngram": prompt lookup.
         quantize_draft: "int8" (per-row scales) or "int4" (groups of 32 with scale and zero):
             store the draft's linear layers as integers, weight-only, for a cheaper draft step;
             still exact, since only the proposal changes (paper §3.6). "none" or False keeps its
@@ -156,7 +159,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target="default", draft="default", *, tokenizer=None,
                  num_speculative_tokens: int = DEFAULT_GAMMA, draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
-                 draft_vocab_limit: int | str | None = "auto", prompt_lookup: bool | None = None,
+                 draft_vocab_limit: int | str | None = "auto", prompt_lookup: bool | str | None = None,
                  quantize_draft: bool | str | None = None, gamma_schedule: str = DEFAULT_GAMMA_SCHEDULE,
                  verification: str = DEFAULT_VERIFICATION, tree_width: int = 1, tree_confidence: float = 0.8,
                  guard: bool = True, guard_costs: tuple[float, float] | None = None, dtype=None, device=None,
@@ -185,6 +188,8 @@ class SpeculativeDecoder:
                              f"got {quantize_draft!r}")
         if draft_vocab_limit not in (None, "auto") and (not _is_int(draft_vocab_limit) or draft_vocab_limit < 1):
             raise ValueError(f"draft_vocab_limit must be a positive integer, 'auto' or None, got {draft_vocab_limit!r}")
+        if prompt_lookup not in (None, True, False, "ngram", "suffix"):
+            raise ValueError(f"prompt_lookup must be None, True, False, 'ngram' or 'suffix', got {prompt_lookup!r}")
         if max_batch_size is not None and (not _is_int(max_batch_size) or max_batch_size < 1):
             raise ValueError(f"max_batch_size must be None or an integer >= 1, got {max_batch_size!r}")
         self.draft_confidence = draft_confidence

@@ -734,6 +734,9 @@ def test_min_tokens_and_ignore_eos_hold_eos_back_alike_with_and_without_speculat
         assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"  # 4, then EOS
         ignored = complete(srv, "abc", max_tokens=10, logit_bias=likely_eos, extra_body={"ignore_eos": True})
         assert ignored.usage.completion_tokens == 10 and ignored.choices[0].finish_reason == "length"
+        streamed = streamed_choices(complete(srv, "abc", max_tokens=10, logit_bias=likely_eos, stream=True,
+                                             extra_body={"min_tokens": 4}))
+        assert streamed[0][:2] == [held.choices[0].text, "stop"]
     kwargs = dict(max_tokens=10, logit_bias={eos: 2.0}, extra_body={"min_tokens": 5})
     assert complete(server, "abc", **kwargs).choices[0].text == complete(plain_server, "abc", **kwargs).choices[0].text
 

@@ -54,6 +54,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="first copy what followed an earlier occurrence of the last tokens (free drafts); "
                              "the draft model serves the other steps (default: on when there is a draft model; "
                              "--draft none --prompt-lookup uses lookup alone)")
+    parser.add_argument("--suffix-drafts", dest="prompt_lookup", action="store_const", const="suffix",
+                        help="instead of prompt lookup, draft from a suffix index over the prompt, the output and "
+                             "earlier requests' outputs (longer matches, the most frequent continuation; exact)")
     parser.add_argument("--quantize-draft", choices=list(QUANTIZATIONS), default=None,
                         help="store the draft's weights as int8 (per-row scales) or int4 (groups of 32) for a "
                              "faster draft step; exact either way, since only the proposal changes (default: "

@@ -135,7 +135,7 @@ class Pair:
             # plain decoding measured fastest on this machine: no draft, and no prompt lookup
             # unless asked for (its drafts cost a multi-token verify too)
             self.draft = None
-            self.prompt_lookup = bool(prompt_lookup)
+            self.prompt_lookup = prompt_lookup or False
         if self.dtype == torch.float32 and self.device.type == "cpu" and device_map is None and packed.available() \
                 and not isinstance(target, torch.nn.Module) and lean_supports(self.target.backend.model):
             # float32 targets we loaded (Llama/Qwen2 family) get packed weights, asked for or chosen:

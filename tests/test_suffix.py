@@ -1,0 +1,132 @@
+"""Suffix drafts (SuffixDecoding): the index, the frequency walk, the cache of earlier requests
+(bounded, least recently used, not read by seeded sampled requests), and exactness: greedy equal
+to plain decoding on tiny Llamas, and a chi-square test of the sampled distribution through the
+batched engine with the cache in use, with a negative control that fails it."""
+
+from collections import Counter
+
+import torch
+
+from specdecode.engine.driver import run_all
+from specdecode.engine.request import DecodeConfig, Request
+from specdecode.models import HFCausalLM, TableModel
+from specdecode.proposers import DraftModelProposer
+from specdecode.proposers.base import Draft
+from specdecode.proposers.suffix import SuffixIndex, SuffixProposer, continue_by_frequency
+from specdecode.sampling import SamplingParams
+
+from helpers import chi2_pvalue, target_sequence_probs, tiny_llama
+
+GREEDY = SamplingParams(temperature=0)
+
+
+class Row:
+    def __init__(self, tokens, sampling=GREEDY):
+        self.tokens, self.sampling = list(tokens), sampling
+
+
+def test_the_walk_takes_the_most_frequent_continuation_while_it_is_likely_enough():
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 4], [1, 2, 6, 7]]
+    occurrences = [(s, 2) for s in seqs]                 # after the match [1, 2]
+    assert continue_by_frequency(occurrences, 8, 0.1) == [3, 4]     # 3: 3/4, then 4: 2/3 (product 0.5)
+    assert continue_by_frequency(occurrences, 8, 0.6) == [3]        # 0.75, then 0.5 < 0.6: stop
+    assert continue_by_frequency(occurrences, 1, 0.1) == [3]        # at most k
+    assert continue_by_frequency(occurrences, 8, 0.8) == []
+
+
+def test_the_index_tries_its_longest_level_and_forgets_removed_sequences():
+    index = SuffixIndex(levels=(2, 4))
+    index.append(1, [9, 1, 2, 3, 4, 5])
+    index.append(2, [7, 7, 2, 3, 8])
+    assert sorted(e for _, _, e in index.continuations((2, 3))) == [4, 4]
+    assert [(i, e) for i, _, e in index.continuations((9, 1, 2, 3))] == [(1, 4)]
+    index.append(2, [6])                                            # a row's output grows
+    assert [s[e] for _, s, e in index.continuations((3, 8))] == [6]
+    index.remove(1)
+    assert [i for i, _, _ in index.continuations((2, 3))] == [2]
+    assert index.continuations((9, 1, 2, 3)) == []
+
+
+def test_finished_requests_draft_for_later_ones_within_a_bounded_cache():
+    proposer = SuffixProposer(vocab_size=50, levels=(2, 4), cache_tokens=12)
+    proposer.add_row([10, 11, 12, 13, 14, 15, 16, 17])
+    proposer.select([])                                             # it finished: cached
+    proposer.add_row([1, 2, 12, 13])
+    drafts = proposer.propose([Row([1, 2, 12, 13])], [4])
+    assert drafts[0].tokens.tolist() == [14, 15, 16, 17] and drafts[0].lookup
+    seeded = Row([1, 2, 12, 13], SamplingParams(temperature=1.0, seed=3))
+    assert proposer.propose([seeded], [4])[0].tokens.tolist() == []   # seeded: its own tokens only
+    unseeded = Row([1, 2, 12, 13], SamplingParams(temperature=1.0))
+    assert proposer.propose([unseeded], [4])[0].tokens.tolist() == [14, 15, 16, 17]
+    proposer.select([])
+    proposer.add_row([20, 21, 22, 23, 24, 25, 26, 27, 28])          # 4 + 9 > 12 tokens: the oldest goes
+    proposer.select([])
+    proposer.add_row([5, 12, 13])
+    assert proposer.propose([Row([5, 12, 13])], [4])[0].tokens.tolist() == []
+    assert proposer.propose([Row([5, 24, 25])], [4])[0].tokens.tolist() == [26, 27, 28]
+
+
+def test_a_row_drafts_from_its_own_prompt_and_output():
+    proposer = SuffixProposer(vocab_size=50, levels=(2, 3), cache_tokens=0)
+    proposer.add_row([4, 5, 6, 7, 4, 5])
+    assert proposer.propose([Row([4, 5, 6, 7, 4, 5])], [8])[0].tokens.tolist() == [6, 7, 4, 5]  # 2·2 tokens
+    proposer.commit([0], [[6]])
+    # a 3-token match now: up to 6 tokens, running on into its own latest ones (a period)
+    assert proposer.propose([Row([4, 5, 6, 7, 4, 5, 6])], [8])[0].tokens.tolist() == [7, 4, 5, 6]
+
+
+def test_suffix_drafts_keep_greedy_output_equal_to_plain_decoding_on_tiny_llamas():
+    target, draft = HFCausalLM(tiny_llama(0)), HFCausalLM(tiny_llama(1))
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8], [1, 2, 3, 4]]
+    plain = [r.token_ids for r in run_all(target, None, [Request(p, DecodeConfig(24, GREEDY)) for p in prompts])]
+    proposer = SuffixProposer(target.vocab_size, fallback=DraftModelProposer(draft))
+    for _ in range(2):  # the second time, the first run's outputs are in the cache
+        results = run_all(target, proposer, [Request(p, DecodeConfig(24, GREEDY, num_speculative_tokens=4))
+                                             for p in prompts])
+        assert [r.token_ids for r in results] == plain
+    assert sum(r.stats.num_lookup_steps for r in results) > 0
+
+
+class WrongQ(SuffixProposer):
+    """A broken proposer: it claims q is one-hot on a different token than the one it proposes."""
+
+    def propose(self, rows, ks):
+        drafts = super().propose(rows, ks)
+        return [Draft(d.tokens, torch.roll(d.probs, 1, dims=-1), d.forwards, d.lookup) if d.lookup else d
+                for d in drafts]
+
+
+def sequence_pvalues(proposer_class, batches):
+    """Three prompts per batch through one engine per batch; the same proposer throughout, so later
+    batches draft from earlier ones' outputs (share_seeded: seeded rows read the cache too)."""
+    vocab, length = 4, 3
+    target = TableModel(vocab, order=2, seed=20, sharpness=1.5)
+    draft = TableModel(vocab, order=2, seed=21, sharpness=1.5)
+    prompts = [[1, 2, 1, 2], [3, 0, 3], [0, 2, 1, 3, 0, 2]]
+    proposer = proposer_class(vocab, levels=(1, 2), share_seeded=True, fallback=DraftModelProposer(draft))
+    counts, lookups = [Counter() for _ in prompts], 0
+    for run_index in range(batches):
+        configs = [DecodeConfig(length, SamplingParams(seed=3 * run_index + i), num_speculative_tokens=3)
+                   for i in range(len(prompts))]
+        for i, result in enumerate(run_all(target, proposer, [Request(p, c) for p, c in zip(prompts, configs)])):
+            counts[i][tuple(result.token_ids)] += 1
+            lookups += result.stats.num_lookup_steps
+    pvalues = []
+    for prompt, count in zip(prompts, counts):
+        expected = target_sequence_probs(target, prompt, length, SamplingParams())
+        seqs = sorted(expected)
+        pvalues.append(chi2_pvalue([count[s] for s in seqs], [expected[s] for s in seqs]))
+    return pvalues, lookups
+
+
+def test_suffix_drafts_with_the_cache_match_the_target_distribution_chi_square():
+    # 1000 batches of 3 rows (vocab 4, 3 tokens: 64 sequences per prompt), seeds 0..2999;
+    # each prompt's test fails at significance 1e-3.
+    pvalues, lookups = sequence_pvalues(SuffixProposer, 1000)
+    assert min(pvalues) > 1e-3 and lookups > 1000
+
+
+def test_chi_square_detects_a_suffix_proposer_whose_q_is_not_what_it_proposed():
+    # 300 batches: the exact test's bar (every prompt above 1e-3) fails by far (p < 1e-30 seen)
+    pvalues, _ = sequence_pvalues(WrongQ, 300)
+    assert min(pvalues) < 1e-6
