@@ -5,6 +5,7 @@ request path (specdecode.frontend.builder) and the engine with its driver (specd
 from __future__ import annotations
 
 import copy
+import os
 import weakref
 from typing import Callable, Iterator
 
@@ -15,9 +16,10 @@ from specdecode.frontend.builder import RequestBuilder, choice_samplings, genera
 from specdecode.frontend.schema import MAX_CHOICES
 from specdecode.measure.hardware import cpu_report
 from specdecode.measure.timing import guard_costs as measure_guard_costs
-from specdecode.models.loading import eos_token_ids
+from specdecode.models.loading import eos_token_ids, load_tokenizer
 from specdecode.models.pair import QUANTIZATIONS, Pair
-from specdecode.proposers import build_proposer
+from specdecode.proposers import CrossVocabProposer, build_proposer
+from specdecode.proposers.cross_vocab import METHODS as CROSS_VOCAB_METHODS
 from specdecode.sampling import SamplingParams
 
 # Defaults, exact, chosen on HumanEval: prompt lookup first; otherwise the draft, with int4
@@ -91,6 +93,12 @@ class SpeculativeDecoder:
             drafts instead (specdecode.proposers.suffix: longer matches, the most frequent
             continuation, and earlier requests' outputs as well as the row's own tokens); True
             or "ngram": prompt lookup.
+        draft_tokenizer: the draft's tokenizer (an object, or a name or path to load) where it is
+            not the target's: a draft given as a model object otherwise gets the target's, one
+            loaded by name or path its own. A draft whose tokenizer differs from the target's
+            proposes through the token strings both vocabularies hold (exact: TLI for sampled
+            requests, SLEM for greedy ones; specdecode.proposers.cross_vocab).
+        cross_vocab: for such a draft, "auto" (the rule above), "tli" or "slem" for every request.
         quantize_draft: "int8" (per-row scales) or "int4" (groups of 32 with scale and zero):
             store the draft's linear layers as integers, weight-only, for a cheaper draft step;
             still exact, since only the proposal changes (paper §3.6). "none" or False keeps its
@@ -164,7 +172,8 @@ class SpeculativeDecoder:
                  verification: str = DEFAULT_VERIFICATION, tree_width: int = 1, tree_confidence: float = 0.8,
                  guard: bool = True, guard_costs: tuple[float, float] | None = None, dtype=None, device=None,
                  device_map=None, offload_folder: str | None = None, max_batch_size: int | None = None,
-                 progress: Callable[[str], None] | None = None, use_generation_config: bool = True):
+                 progress: Callable[[str], None] | None = None, use_generation_config: bool = True,
+                 draft_tokenizer=None, cross_vocab: str = "auto"):
         if not _is_int(num_speculative_tokens) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
         if isinstance(draft_confidence, bool) or not isinstance(draft_confidence, (int, float)) \
@@ -188,6 +197,10 @@ class SpeculativeDecoder:
                              f"got {quantize_draft!r}")
         if draft_vocab_limit not in (None, "auto") and (not _is_int(draft_vocab_limit) or draft_vocab_limit < 1):
             raise ValueError(f"draft_vocab_limit must be a positive integer, 'auto' or None, got {draft_vocab_limit!r}")
+        if cross_vocab not in CROSS_VOCAB_METHODS:
+            raise ValueError(f"cross_vocab must be one of {', '.join(CROSS_VOCAB_METHODS)}, got {cross_vocab!r}")
+        if isinstance(draft_tokenizer, (str, os.PathLike)):
+            draft_tokenizer = load_tokenizer(draft_tokenizer)
         if prompt_lookup not in (None, True, False, "ngram", "suffix"):
             raise ValueError(f"prompt_lookup must be None, True, False, 'ngram' or 'suffix', got {prompt_lookup!r}")
         if max_batch_size is not None and (not _is_int(max_batch_size) or max_batch_size < 1):
@@ -199,7 +212,9 @@ class SpeculativeDecoder:
         self.pair = Pair(target, draft, tokenizer=tokenizer, dtype=dtype, device=device, device_map=device_map,
                          offload_folder=offload_folder, quantize_draft=quantize_draft,
                          draft_vocab_limit=draft_vocab_limit, num_speculative_tokens=num_speculative_tokens,
-                         prompt_lookup=prompt_lookup, tree_width=tree_width, progress=progress)
+                         prompt_lookup=prompt_lookup, tree_width=tree_width, progress=progress,
+                         draft_tokenizer=draft_tokenizer)
+        self.cross_vocab = cross_vocab if self.pair.cross_vocab else None
         self.target, self.draft, self.tokenizer = self.pair.target, self.pair.draft, self.pair.tokenizer
         self.dtype, self.draft_dtype, self.device, self.choice = (self.pair.dtype, self.pair.draft_dtype,
                                                                   self.pair.device, self.pair.choice)
@@ -235,17 +250,29 @@ class SpeculativeDecoder:
                 "draft_dtype": str(self.draft_dtype).removeprefix("torch.") if self.draft is not None else None,
                 "num_speculative_tokens": self.num_speculative_tokens if self.draft is not None else 0,
                 "machine": cpu_report(),
-                "choice": None if choice is None else {"summary": choice.describe(), "measured": list(choice.notes)}}
+                "choice": None if choice is None else {"summary": choice.describe(), "measured": list(choice.notes)},
+                "draft_vocabulary": None if not self.cross_vocab else {
+                    "shared_tokens": self.num_shared_tokens,
+                    "method": {"auto": "TLI for sampled requests, SLEM for greedy ones", "tli": "TLI",
+                               "slem": "SLEM"}[self.cross_vocab]}}
 
     def proposer(self, draft_backend=None, tree_width: int | None = None):
         """A new proposer as this decoder is configured (specdecode.proposers.build_proposer);
         draft_backend replaces the draft's own (the benchmark wraps it), tree_width the configured
         one (the benchmark compares them)."""
         draft_backend = draft_backend or (self.draft.backend if self.draft is not None else None)
-        return build_proposer(draft_backend, self.target.backend.vocab_size, prompt_lookup=self.prompt_lookup,
-                              confidence=self.draft_confidence,
-                              tree_width=self.tree_width if tree_width is None else tree_width,
-                              tree_confidence=self.tree_confidence)
+        tokenizers = (self.draft.tokenizer, self.tokenizer) if self.cross_vocab else None
+        proposer = build_proposer(draft_backend, self.target.backend.vocab_size, prompt_lookup=self.prompt_lookup,
+                                  confidence=self.draft_confidence, tokenizers=tokenizers,
+                                  cross_vocab=self.cross_vocab or "auto",
+                                  tree_width=self.tree_width if tree_width is None else tree_width,
+                                  tree_confidence=self.tree_confidence)
+        node = proposer
+        while node is not None and not isinstance(node, CrossVocabProposer):  # behind free drafts
+            node = getattr(node, "fallback", None)
+        if node is not None:
+            self.num_shared_tokens = node.num_shared
+        return proposer
 
     # The request path (specdecode.frontend.builder), as the facade's own methods.
     def config(self, max_new_tokens: int, sampling: SamplingParams | None = None, stop=None, lenience: float = 1.0,

