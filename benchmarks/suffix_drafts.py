@@ -46,7 +46,8 @@ def workloads(count: int) -> dict[str, list[str]]:
              for code in functions for how in ("adding type hints", "adding a docstring")][:count]
     agent = [AGENT + TOOLS[i % len(TOOLS)] for i in range(count)]
     tasks = ["qa", "summarization", "rag", "math_reasoning"]
-    spec_bench = [p.prompt for i in range(count) for p in [load_prompts(tasks[i % len(tasks)], i // len(tasks) + 1)[-1]]]
+    per_task = {task: load_prompts(task, (count + len(tasks) - 1) // len(tasks)) for task in tasks}
+    spec_bench = [per_task[tasks[i % len(tasks)]][i // len(tasks)].text for i in range(count)]
     return {"edits": edits, "agent": agent, "spec_bench": spec_bench}
 
 
@@ -89,17 +90,11 @@ def main() -> None:
             rows.append(f"| {name} | {kind} | {tokens} | {rates[kind]:.2f} | {tokens / calls:.2f} | "
                         f"{lookups / steps:.0%} | {rates[kind] / rates['ngram']:.2f} |")
         rows.append(f"| {name} | (outputs equal: {'yes' if same else 'NO'}) | | | | | |")
-    flags = ""
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":")[1].split()
-        flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
-    except (OSError, StopIteration):
-        pass
     header = [
         "# Suffix drafts against prompt lookup", "",
         f"Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. Machine: {cpu_report()}; "
         f"{platform.processor() or platform.machine()}; torch {torch.__version__}, CPU capability "
-        f"{torch.backends.cpu.get_cpu_capability()}, flags: {flags}. Decoder: {decoder.configuration()['dtype']} "
+        f"{torch.backends.cpu.get_cpu_capability()}. Decoder: {decoder.configuration()['dtype']} "
         f"target, γ = {decoder.num_speculative_tokens}, the default draft behind each proposer.", "",
         f"Command: `python benchmarks/suffix_drafts.py --requests {args.requests} --new-tokens {args.new_tokens}"
         f"{'' if args.dtype == 'auto' else ' --dtype ' + args.dtype}`", "",

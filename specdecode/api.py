@@ -86,13 +86,14 @@ class SpeculativeDecoder:
         draft_vocab_limit: the draft scores only token ids below this (a cheaper LM head; exact,
             since q is zero elsewhere); None scores the whole vocabulary; "auto" (default) uses
             the zoo's measured limit for zoo drafts and None for others.
-        prompt_lookup: first try to copy the continuation of an earlier occurrence of the last
-            tokens (paper §3.6, free drafts); the draft model serves the other steps. None
-            (default): on when there is a draft model. With draft=None and prompt_lookup=True,
-            lookup is the only proposer; draft=None alone is plain decoding. "suffix": suffix
-            drafts instead (specdecode.proposers.suffix: longer matches, the most frequent
-            continuation, and earlier requests' outputs as well as the row's own tokens); True
-            or "ngram": prompt lookup.
+        prompt_lookup: free drafts first, the draft model serving the other steps. True or
+            "suffix": suffix drafts (specdecode.proposers.suffix: the most frequent continuation
+            of the longest match of the row's last tokens in its prompt and output and in earlier
+            requests' outputs; measured faster than "ngram" in docs/suffix_drafts.md); "ngram":
+            prompt lookup (paper §3.6: what followed the latest match of the last 2-3 tokens in
+            the row's own tokens); False: none. None (default): suffix drafts when there is a
+            draft model. With draft=None and prompt_lookup set, free drafts are the only
+            proposer; draft=None alone is plain decoding.
         draft_tokenizer: the draft's tokenizer (an object, or a name or path to load) where it is
             not the target's: a draft given as a model object otherwise gets the target's, one
             loaded by name or path its own. A draft whose tokenizer differs from the target's

@@ -34,6 +34,7 @@ def test_every_proposer_option_keeps_the_greedy_output(model_dirs):
     plain = SpeculativeDecoder(model_dirs["target"], None, dtype="float32").generate("abcab", max_new_tokens=30,
                                                                                     sampling=greedy)
     for kwargs in (dict(draft_vocab_limit=10), dict(prompt_lookup=False), dict(draft=None, prompt_lookup=True),
+                   dict(draft=None, prompt_lookup="ngram"), dict(prompt_lookup="ngram"),
                    dict(draft_confidence=0.0, num_speculative_tokens=2, draft_vocab_limit=None)):
         kwargs.setdefault("draft", model_dirs["draft"])
         decoder = SpeculativeDecoder(model_dirs["target"], dtype="float32", **kwargs)
@@ -296,7 +297,8 @@ def test_bad_batch_size_raises(decoder, batch_size):
 
 
 def test_lookup_only_decoding_batches_the_rows_and_each_equals_its_run_alone(model_dirs, monkeypatch):
-    lookup = SpeculativeDecoder(model_dirs["target"], None, prompt_lookup=True, dtype="float32")
+    # n-gram lookup: its drafts come from the row alone (suffix drafts also read earlier requests')
+    lookup = SpeculativeDecoder(model_dirs["target"], None, prompt_lookup="ngram", dtype="float32")
     widths = record_batch_widths(lookup, monkeypatch)
     greedy = SamplingParams(temperature=0)
     results = lookup.generate(["abcab", "hh"], max_new_tokens=6, sampling=greedy)

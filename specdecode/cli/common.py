@@ -26,6 +26,14 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                              f"(default: {zoo.DEFAULT_TARGET})")
     parser.add_argument("--draft", default="default",
                         help=f"draft model, same forms as --target, or 'none' for plain decoding (default: {zoo.DEFAULT_DRAFT})")
+    parser.add_argument("--draft-tokenizer", default=None, metavar="PATH",
+                        help="the draft's tokenizer (a directory or hub id), where its folder lacks it. A draft "
+                             "whose tokenizer differs from the target's proposes through the token strings both "
+                             "vocabularies hold, exactly (default: the draft's own)")
+    parser.add_argument("--cross-vocab", choices=["auto", "tli", "slem"], default="auto",
+                        help="for a draft of another vocabulary: tli samples from the draft restricted to the "
+                             "shared tokens; slem decodes the draft greedily and tokenizes its text for the target; "
+                             "auto: slem for greedy requests, tli for sampled ones (both exact; default: auto)")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_GAMMA,
                         help=f"γ: the most draft tokens proposed per target call (default: {DEFAULT_GAMMA})")
     parser.add_argument("--gamma-schedule", choices=["fixed", "adaptive"], default=DEFAULT_GAMMA_SCHEDULE,
@@ -51,12 +59,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="the draft scores only token ids below N: a cheaper LM head, still exact "
                              "(default: 32768 for the zoo's draft, the whole vocabulary for others)")
     parser.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=None,
-                        help="first copy what followed an earlier occurrence of the last tokens (free drafts); "
-                             "the draft model serves the other steps (default: on when there is a draft model; "
-                             "--draft none --prompt-lookup uses lookup alone)")
-    parser.add_argument("--suffix-drafts", dest="prompt_lookup", action="store_const", const="suffix",
-                        help="instead of prompt lookup, draft from a suffix index over the prompt, the output and "
-                             "earlier requests' outputs (longer matches, the most frequent continuation; exact)")
+                        help="free drafts first: suffix drafts, the most frequent continuation of the last tokens' "
+                             "longest match in the prompt, the output and earlier requests' outputs; the draft "
+                             "model serves the other steps (default: on when there is a draft model; "
+                             "--draft none --prompt-lookup uses them alone)")
+    parser.add_argument("--ngram-lookup", dest="prompt_lookup", action="store_const", const="ngram",
+                        help="instead of suffix drafts, plain prompt lookup: what followed the latest match of the "
+                             "last 2-3 tokens in the row's own tokens")
     parser.add_argument("--quantize-draft", choices=list(QUANTIZATIONS), default=None,
                         help="store the draft's weights as int8 (per-row scales) or int4 (groups of 32) for a "
                              "faster draft step; exact either way, since only the proposal changes (default: "
@@ -203,7 +212,8 @@ def decoder_kwargs(args, **extra) -> dict:
                 gamma_schedule=args.gamma_schedule, verification=args.verification, tree_width=args.tree_width,
                 tree_confidence=args.tree_confidence, draft_vocab_limit=args.draft_vocab_limit or "auto",
                 prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft, guard=args.guard,
-                dtype=args.dtype, device_map=args.device_map,
+                dtype=args.dtype, device_map=args.device_map, draft_tokenizer=args.draft_tokenizer,
+                cross_vocab=args.cross_vocab,
                 use_generation_config=not getattr(args, "ignore_generation_config", False), **extra)
 
 

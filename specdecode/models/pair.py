@@ -52,7 +52,8 @@ class Pair:
         tokenizer: the target's.  is_encoder_decoder: the target's kind (paper §4.1).
         dtype, draft_dtype: torch dtypes.  device: where the draft runs and tokens go in.
         choice: autoconfig's Choice, or None (dtype given, model object, target too small).
-        num_speculative_tokens: γ_max (auto may lower it).  prompt_lookup: whether to use it.
+        num_speculative_tokens: γ_max (auto may lower it).  prompt_lookup: which free drafts come
+            first: "suffix", "ngram" or False.
         cross_vocab: whether the draft's tokenizer differs from the target's (its drafts go
             through the shared vocabulary: specdecode.proposers.cross_vocab).
     Raises:
@@ -66,7 +67,9 @@ class Pair:
         if quantize_draft is False:  # the same as "none": our copy keeps the lean forward either way
             quantize_draft = "none"
         self.num_speculative_tokens = num_speculative_tokens
-        self.prompt_lookup = (draft is not None) if prompt_lookup is None else prompt_lookup
+        if prompt_lookup is None:  # on with a draft model; suffix drafts measured best (docs/suffix_drafts.md)
+            prompt_lookup = draft is not None
+        self.prompt_lookup = "suffix" if prompt_lookup is True else prompt_lookup
         self.dtype = parse_dtype(dtype)
         if device_map is not None and (device is not None or isinstance(target, torch.nn.Module)):
             raise ValueError("device_map places a target loaded by name or path; give it without device= and "
@@ -145,7 +148,7 @@ class Pair:
             # plain decoding measured fastest on this machine: no draft, and no prompt lookup
             # unless asked for (its drafts cost a multi-token verify too)
             self.draft = None
-            self.prompt_lookup = prompt_lookup or False
+            self.prompt_lookup = "suffix" if prompt_lookup is True else (prompt_lookup or False)
         if self.dtype == torch.float32 and self.device.type == "cpu" and device_map is None and packed.available() \
                 and not isinstance(target, torch.nn.Module) and lean_supports(self.target.backend.model):
             # float32 targets we loaded (Llama/Qwen2 family) get packed weights, asked for or chosen:

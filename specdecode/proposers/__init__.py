@@ -16,8 +16,8 @@ def build_proposer(draft_backend, vocab_size: int, *, prompt_lookup: bool | str,
                    tree_width: int = 1, tree_confidence: float = 0.8, tokenizers=None,
                    cross_vocab: str = "auto") -> Proposer | None:
     """The proposer of a configured decoder: free drafts first when asked (prompt_lookup True or
-    "ngram": prompt lookup, paper §3.6; "suffix": suffix drafts over the row and earlier
-    requests), with the draft model (draft_backend, or None) serving the other steps; None
+    "suffix": suffix drafts over the row and earlier requests; "ngram": prompt lookup, paper
+    §3.6), with the draft model (draft_backend, or None) serving the other steps; None
     decodes plainly. tokenizers: (draft's, target's) for a draft of another vocabulary, which
     proposes through the shared one (CrossVocabProposer; cross_vocab: its method). Other
     arguments as SpeculativeDecoder's (vocab_size: the target's)."""
@@ -27,8 +27,8 @@ def build_proposer(draft_backend, vocab_size: int, *, prompt_lookup: bool | str,
         proposer = CrossVocabProposer(draft_backend, *tokenizers, vocab_size, cross_vocab, confidence)
     else:
         proposer = DraftModelProposer(draft_backend, confidence, tree_width, tree_confidence)
-    if prompt_lookup == "suffix":
-        proposer = SuffixProposer(vocab_size, fallback=proposer)
-    elif prompt_lookup:
+    if prompt_lookup == "ngram":
         proposer = PromptLookupProposer(vocab_size, fallback=proposer)
+    elif prompt_lookup:
+        proposer = SuffixProposer(vocab_size, fallback=proposer)
     return proposer

@@ -17,13 +17,10 @@ and unseeded requests use the cache too.
 
 from __future__ import annotations
 
-import time
 from collections import Counter, OrderedDict, deque
 from typing import Sequence
 
-import torch
-
-from specdecode.proposers.base import Draft, DraftRow, Proposer, no_draft
+from specdecode.proposers.base import DraftRow, FreeDraftProposer, Proposer
 
 
 class SuffixIndex:
@@ -98,7 +95,7 @@ def continue_by_frequency(occurrences: list[tuple[list[int], int]], k: int, min_
     return draft
 
 
-class SuffixProposer:
+class SuffixProposer(FreeDraftProposer):
     """Drafts from suffix matches in each row's own tokens and in earlier requests' sequences;
     rows without a match ask `fallback` (in one batched call).
 
@@ -118,40 +115,20 @@ class SuffixProposer:
     def __init__(self, vocab_size: int, levels: tuple[int, ...] = (2, 4, 8), min_prob: float = 0.1,
                  max_spec_factor: float = 2.0, cache_tokens: int = 100_000, share_seeded: bool = False,
                  fallback: Proposer | None = None):
-        self.vocab_size, self.min_prob, self.max_spec_factor = vocab_size, min_prob, max_spec_factor
+        super().__init__(vocab_size, fallback)
+        self.min_prob, self.max_spec_factor = min_prob, max_spec_factor
         self.levels = tuple(sorted(set(levels), reverse=True))
         self.cache_tokens, self.share_seeded = cache_tokens, share_seeded
-        self.fallback = fallback
-        self.max_rows = fallback.max_rows if fallback is not None else None
-        self.device = fallback.backend.device if fallback is not None and hasattr(fallback, "backend") \
-            else torch.device("cpu")
         self.cache = SuffixIndex(levels)                          # earlier requests' sequences
         self._cached: OrderedDict[int, int] = OrderedDict()       # their ids, least recently used first
         self._next_id = 0
         self._rows: list[tuple[int, SuffixIndex]] = []            # per running row: (id, its own index)
-        self._time_s = 0.0
-
-    @property
-    def time_s(self) -> float:
-        return self._time_s + (self.fallback.time_s if self.fallback is not None else 0.0)
-
-    @property
-    def read_s(self) -> float:
-        return self.fallback.read_s if self.fallback is not None else 0.0
-
-    @property
-    def read_tokens(self) -> int:
-        return self.fallback.read_tokens if self.fallback is not None else 0
-
-    def unread(self) -> list[int] | None:
-        return self.fallback.unread() if self.fallback is not None and hasattr(self.fallback, "unread") else None
 
     def add_row(self, prompt_ids: Sequence[int], encoder_input_ids: Sequence[int] | None = None) -> None:
         own = SuffixIndex(self.levels)
         own.append(0, list(prompt_ids))
         self._rows.append((self._new_id(), own))
-        if self.fallback is not None:
-            self.fallback.add_row(prompt_ids, encoder_input_ids)
+        super().add_row(prompt_ids, encoder_input_ids)
 
     def select(self, rows: list[int]) -> None:
         kept = set(rows)
@@ -159,34 +136,16 @@ class SuffixProposer:
             if b not in kept:  # finished or aborted: its tokens serve later requests
                 self._remember(row_id, own.sequences[0])
         self._rows = [self._rows[b] for b in rows]
-        if self.fallback is not None:
-            self.fallback.select(rows)
-
-    def propose(self, rows: Sequence[DraftRow], ks: list[int]) -> list[Draft]:
-        start = time.perf_counter()
-        found = [self._draft(row, own, k) if k > 0 else [] for row, (_, own), k in zip(rows, self._rows, ks)]
-        drafts: list[Draft | None] = [None] * len(rows)
-        for b, ids in enumerate(found):
-            if ids:
-                tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
-                drafts[b] = Draft(tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float(), lookup=True)
-        self._time_s += time.perf_counter() - start
-        if self.fallback is not None:
-            rest = self.fallback.propose(rows, [0 if ids else k for ids, k in zip(found, ks)])
-        else:
-            rest = [no_draft(self.vocab_size, self.device)] * len(rows)
-        return [d if d is not None else r for d, r in zip(drafts, rest)]
+        super().select(rows)
 
     def commit(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
         for (_, own), new in zip(self._rows, new_tokens):
             own.append(0, new)
-        if self.fallback is not None:
-            self.fallback.commit(num_accepted, new_tokens)
+        super().commit(num_accepted, new_tokens)
 
-    # --- internals -------------------------------------------------------------------------------
-
-    def _draft(self, row: DraftRow, own: SuffixIndex, k: int) -> list[int]:
-        tokens = row.tokens
+    def find(self, b: int, row: DraftRow, k: int) -> list[int]:
+        """The most frequent continuation of the longest level that matches the row's last tokens."""
+        tokens, own = row.tokens, self._rows[b][1]
         # seeded sampling: its own tokens only (unless share_seeded)
         shared = row.sampling.greedy or row.sampling.seed is None or self.share_seeded
         for n in self.levels:
@@ -203,6 +162,8 @@ class SuffixProposer:
                 return continue_by_frequency([(seq, end) for _, seq, end in found],
                                              min(k, int(self.max_spec_factor * n)), self.min_prob)
         return []
+
+    # --- internals -------------------------------------------------------------------------------
 
     def _new_id(self) -> int:
         self._next_id += 1
