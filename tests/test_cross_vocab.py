@@ -1,5 +1,5 @@
-"""Drafts with another tokenizer (TLI and SLEM, Timor et al. 2025): the shared vocabulary, a
-chi-square test of TLI's sampled distribution through the batched engine with two table models
+"""Drafts with another tokenizer (TLI and SLEM, Timor et al. 2025): the shared vocabulary, TLI's
+q and one step by enumeration, a chi-square test of TLI's sampled distribution through the batched engine with two table models
 whose vocabularies differ (shared and unshared strings) and a negative control that fails it,
 greedy equality with plain decoding for SLEM and TLI on tiny Llamas, and the refusal of a pair
 that shares too little."""
@@ -133,3 +133,35 @@ def test_a_pair_sharing_too_few_token_strings_is_refused(foreign_pair):
     target, draft, target_tok, draft_tok = foreign_pair
     with pytest.raises(ValueError, match="share 14 token strings .* too few"):
         CrossVocabProposer(draft, draft_tok, target_tok, target.vocab_size)
+
+
+def test_tli_one_step_by_enumeration_gives_p_exactly():
+    """The q TLI reports is the draft's distribution over the shared strings, renormalized, moved
+    to the target's ids (checked against a direct computation from the table and the strings);
+    enumerating one step's outcomes with it gives p to 1e-6, and a q left unnormalized does not."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_verify import step_output_distribution
+
+    target = TableModel(5, order=2, seed=20, sharpness=1.5)
+    draft = TableModel(6, order=2, seed=21, sharpness=1.5)
+    prompt = [1, 2]  # "bc" → the draft reads b c as its ids 3 2
+    proposer = CrossVocabProposer(draft, DRAFT_TOK, TARGET_TOK, 5, method="tli", min_shared=3)
+    proposer.add_row(prompt)
+
+    class Row:
+        tokens, sampling, generator = prompt, SamplingParams(), torch.Generator().manual_seed(0)
+
+    q = proposer.propose([Row()], [1])[0].probs[0].double()
+    draft_probs = torch.softmax(draft.logits_for([3, 2]).double(), -1)
+    expected = torch.zeros(5, dtype=torch.float64)
+    for draft_id, target_id in ((1, 3), (2, 2), (3, 1), (5, 4)):  # d c b ? are shared; x e are not
+        expected[target_id] = draft_probs[draft_id]
+    expected /= expected.sum()
+    assert torch.allclose(q, expected, atol=1e-6) and q[0] == 0  # "a" is the target's alone
+    p = torch.softmax(target.logits_for(prompt).double(), -1)
+    assert torch.allclose(step_output_distribution(p, q), p, atol=1e-6)
+    # the same draft without the renormalization (the shared strings' raw mass) is off by far more
+    assert (step_output_distribution(p, q * draft_probs[[1, 2, 3, 5]].sum()) - p).abs().max() > 1e-3

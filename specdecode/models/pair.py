@@ -31,6 +31,11 @@ DEFAULT_DRAFT_QUANTIZATION = "int4"
 AUTO_MIN_PARAMETERS = 100_000_000
 
 
+def free_drafts(prompt_lookup: bool | str) -> str | bool:
+    """prompt_lookup as build_proposer takes it: True means suffix drafts."""
+    return "suffix" if prompt_lookup is True else prompt_lookup
+
+
 def same_tokenizer(target_tokenizer, draft_tokenizer) -> bool:
     """Whether the two tokenizers map every string to the same id (DESIGN.md rule 6); if not, the
     draft proposes through the shared vocabulary (specdecode.proposers.cross_vocab)."""
@@ -67,9 +72,8 @@ class Pair:
         if quantize_draft is False:  # the same as "none": our copy keeps the lean forward either way
             quantize_draft = "none"
         self.num_speculative_tokens = num_speculative_tokens
-        if prompt_lookup is None:  # on with a draft model; suffix drafts measured best (docs/suffix_drafts.md)
-            prompt_lookup = draft is not None
-        self.prompt_lookup = "suffix" if prompt_lookup is True else prompt_lookup
+        # None: on with a draft model; True: suffix drafts, measured best (docs/suffix_drafts.md)
+        self.prompt_lookup = free_drafts(draft is not None if prompt_lookup is None else prompt_lookup)
         self.dtype = parse_dtype(dtype)
         if device_map is not None and (device is not None or isinstance(target, torch.nn.Module)):
             raise ValueError("device_map places a target loaded by name or path; give it without device= and "
@@ -148,7 +152,7 @@ class Pair:
             # plain decoding measured fastest on this machine: no draft, and no prompt lookup
             # unless asked for (its drafts cost a multi-token verify too)
             self.draft = None
-            self.prompt_lookup = "suffix" if prompt_lookup is True else (prompt_lookup or False)
+            self.prompt_lookup = free_drafts(prompt_lookup or False)
         if self.dtype == torch.float32 and self.device.type == "cpu" and device_map is None and packed.available() \
                 and not isinstance(target, torch.nn.Module) and lean_supports(self.target.backend.model):
             # float32 targets we loaded (Llama/Qwen2 family) get packed weights, asked for or chosen:
