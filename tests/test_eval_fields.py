@@ -223,3 +223,19 @@ def test_seeded_choices_of_one_request_are_their_own_seeds():
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert len({tuple(r.token_ids) for r in together}) == 4
     assert list(itertools.chain(*(r.token_ids for r in together)))  # something was generated
+
+
+def test_prompt_logprobs_of_a_prompt_longer_than_one_scoring_chunk(llamas, monkeypatch):
+    """A long prompt is scored in chunks of positions (never all its logits at once): the entries
+    still equal one transformers forward."""
+    target_model, _ = llamas
+    target = HFCausalLM(target_model)
+    monkeypatch.setattr(HFCausalLM, "SCORE_CHUNK", 5)
+    prompt = (PROMPT * 4)[:23]
+    with torch.no_grad():
+        reference = torch.log_softmax(target_model(torch.tensor([prompt])).logits[0].float(), -1)
+    entries = run(target, None, prompt, DecodeConfig(0, SamplingParams(temperature=0), prompt_logprobs=1)).prompt_logprobs
+    assert entries[0] is None and len(entries) == len(prompt)
+    assert [e.token_id for e in entries[1:]] == prompt[1:]
+    assert [e.logprob for e in entries[1:]] == pytest.approx([float(reference[j - 1, prompt[j]])
+                                                              for j in range(1, len(prompt))], abs=1e-5)

@@ -513,9 +513,12 @@ class Engine:
             raise ValueError("prompt logprobs need a decoder-only target")
         prompt = list(request.prompt_ids)
         row = _Row(request_id, request, self.tokenizer, False, self.device)
-        logits = score(prompt)[:-1] if len(prompt) > 1 else None
-        row.prompt_logprobs = [None] + ([] if logits is None else
-                                        token_logprobs(logits, prompt[1:], request.config.prompt_logprobs))
+        row.prompt_logprobs = [None]
+        done = 0  # positions scored: position j's logits give token j + 1's logprob
+        for logits in score(prompt):  # in chunks: a long prompt never holds all its logits at once
+            following = prompt[done + 1:done + 1 + len(logits)]
+            row.prompt_logprobs += token_logprobs(logits[:len(following)], following, request.config.prompt_logprobs)
+            done += len(logits)
         return row
 
     def _leave(self, rows: list[_Row], outputs: dict[int, StepOutput] | None = None) -> None:

@@ -23,6 +23,7 @@ NaN, and a NaN value vector poisons every query that multiplies it, even with we
 from __future__ import annotations
 
 import contextlib
+from typing import Iterator
 
 import torch
 
@@ -225,13 +226,23 @@ class HFCausalLM:
             self.model.get_decoder()(input_ids=tokens, cache=cache, use_cache=True)
         return [(layer.keys, layer.values) for layer in cache.layers]
 
+    SCORE_CHUNK = 512  # positions whose logits score() holds at once (V floats each)
+
     @torch.inference_mode()
-    def score(self, ids: list[int]) -> torch.Tensor:
+    def score(self, ids: list[int]) -> Iterator[torch.Tensor]:
         """The next-token logits after each of ids, read alone from position 0 without the rows'
-        cache: [len(ids), V] float32, a plain forward of the model (prompt logprobs). Holds
-        len(ids) × V floats at once."""
+        cache, a plain forward of the model (prompt logprobs): [n, V] float32 chunks, in order,
+        covering len(ids) positions. For the Llama/Qwen2 family the decoder runs once and the LM
+        head per chunk of SCORE_CHUNK positions, so a long prompt never holds len(ids) × V
+        floats; other models give one chunk (their forward may transform the logits)."""
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
-        return self.model(input_ids=tokens, use_cache=False).logits[0, :, :self.vocab_size].float().to(self.device)
+        if not lean_decoder.supports(self.model):
+            yield self.model(input_ids=tokens, use_cache=False).logits[0, :, :self.vocab_size].float().to(self.device)
+            return
+        hidden = self.model.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state[0]
+        head = self.model.get_output_embeddings()
+        for start in range(0, len(ids), self.SCORE_CHUNK):
+            yield head(hidden[start:start + self.SCORE_CHUNK])[:, :self.vocab_size].float()
 
     @torch.inference_mode()
     def forward(self, feeds: list[list[int]], num_logits: int,

@@ -40,9 +40,9 @@ class TableModel:
         context = ([0] * self.order + list(prefix))[-self.order:]
         return self.table[tuple(context)]
 
-    def score(self, ids: list[int]) -> torch.Tensor:
-        """[len(ids), V] the logits after each prefix of ids (prompt logprobs)."""
-        return torch.stack([self.logits_for(ids[:j + 1]) for j in range(len(ids))])
+    def score(self, ids: list[int]):
+        """The logits after each prefix of ids (prompt logprobs): one [len(ids), V] chunk."""
+        yield torch.stack([self.logits_for(ids[:j + 1]) for j in range(len(ids))])
 
     @property
     def num_rows(self) -> int:
