@@ -239,3 +239,13 @@ def test_prompt_logprobs_of_a_prompt_longer_than_one_scoring_chunk(llamas, monke
     assert [e.token_id for e in entries[1:]] == prompt[1:]
     assert [e.logprob for e in entries[1:]] == pytest.approx([float(reference[j - 1, prompt[j]])
                                                               for j in range(1, len(prompt))], abs=1e-5)
+
+
+def test_more_alternatives_than_the_vocabulary_gives_them_all():
+    """logprobs / prompt_logprobs of 20 on a 6-token vocabulary list the 6 (a step that failed
+    here used to fail every request in it)."""
+    target = TableModel(6, seed=3)
+    config = DecodeConfig(3, SamplingParams(temperature=0), prompt_logprobs=20, logprobs=20)
+    result = run(target, None, [1, 2, 3], config)
+    assert [len(e.top) for e in result.prompt_logprobs[1:]] == [6, 6]
+    assert [len(e.top) for e in result.logprobs] == [6, 6, 6]

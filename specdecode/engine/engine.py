@@ -180,9 +180,11 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     log-softmax of the logits, before any processing), with the `top` most likely ids.
 
     logits: [len(tokens), V] the target's raw logits; row i is the position of tokens[i].
+    top: alternatives per token (at most V are given).
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    top = min(top, logprobs.shape[-1])  # a vocabulary smaller than the alternatives asked for: all of it
     if top:
         values, ids = logprobs.topk(top, dim=-1)
         tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

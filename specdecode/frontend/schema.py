@@ -149,7 +149,7 @@ def refuse_unsupported(request, body: dict) -> None:
     if request.max_tokens == 0 and not getattr(request, "echo", False):
         raise ApiError(400, "max_tokens must be >= 1 (0 only with echo: score the prompt)", "max_tokens")
     for key, bias in (request.logit_bias or {}).items():
-        if not key.isascii() or not key.isdigit() or len(key) > 9:
+        if not key.isascii() or not key.isdigit() or len(key) > 9 or key != str(int(key)):  # "05": say 5
             raise ApiError(400, f"logit_bias keys must be token ids as strings, got {key[:20]!r}", "logit_bias")
         if not -100 <= bias <= 100:
             raise ApiError(400, f"logit_bias values must be in [-100, 100], got {bias} for token {key}", "logit_bias")

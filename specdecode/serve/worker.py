@@ -88,7 +88,8 @@ class EngineWorker:
             capacity = self.engine.capacity
             free = max(0, capacity - self.num_running) if capacity is not None else 1 << 30
             if self.num_waiting + len(handles) > self.max_queue + free:
-                raise QueueFull(f"{self.num_waiting} requests are waiting (--max-queue {self.max_queue})")
+                needs = f"; this request needs {len(handles)} rows (n, prompts)" if len(handles) > 1 else ""
+                raise QueueFull(f"{self.num_waiting} requests are waiting (--max-queue {self.max_queue}){needs}")
             self._pending += len(handles)
             # under the lock: a submit that passed the check is in the inbox before shutdown()
             # can set _stop, so the thread's last drain sees it and answers it
