@@ -250,7 +250,8 @@ class SpeculativeDecoder:
         return {"dtype": str(self.dtype).removeprefix("torch."),
                 "target_kernel": choice.target_kernel if choice else str(self.dtype).removeprefix("torch."),
                 "draft_dtype": str(self.draft_dtype).removeprefix("torch.") if self.draft is not None else None,
-                "num_speculative_tokens": self.num_speculative_tokens if self.draft is not None else 0,
+                "num_speculative_tokens": self.num_speculative_tokens if self.draft is not None or self.prompt_lookup
+                else 0,
                 "machine": cpu_report(),
                 "choice": None if choice is None else {"summary": choice.describe(), "measured": list(choice.notes)},
                 "draft_vocabulary": None if not self.cross_vocab else {
