@@ -91,6 +91,17 @@ def chi2_pvalue(observed, probs):
 
 # --- exact sequence distributions of table models ---------------------------------------------------
 
+def sequence_pvalues(target, prompts, counts, length, params=None):
+    """Per prompt, the chi-square p-value of its counted output sequences (Counter of tuples)
+    against the target's exact sequence distribution (temperature 1 by default)."""
+    pvalues = []
+    for prompt, count in zip(prompts, counts):
+        expected = target_sequence_probs(target, prompt, length, params or SamplingParams())
+        seqs = sorted(expected)
+        pvalues.append(chi2_pvalue([count[s] for s in seqs], [expected[s] for s in seqs]))
+    return pvalues
+
+
 def target_sequence_probs(target, prompt, length, params):
     """P(s_1..s_L) = Π p(s_i | prompt + s_<i), over all sequences (chain rule)."""
     probs = {}

@@ -16,7 +16,7 @@ from specdecode.models import HFCausalLM, TableModel
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 
-from helpers import chi2_pvalue, single_row_logits, target_sequence_probs, tiny_llama, tiny_mistral
+from helpers import sequence_pvalues, single_row_logits, tiny_llama, tiny_mistral
 
 GREEDY = SamplingParams(temperature=0)
 # Different lengths, limits, γ and seeds per row, so rows accept, stop and leave at different steps.
@@ -120,12 +120,7 @@ def batched_sequence_counts(backend_class, batches=1000, vocab=4, k=3, length=3,
             counts[i][tuple(result.token_ids)] += 1
             if stats is not None:
                 stats.append(result.stats)
-    pvalues = []
-    for prompt, count in zip(prompts, counts):
-        expected = target_sequence_probs(target, prompt, length, SamplingParams())
-        seqs = sorted(expected)
-        pvalues.append(chi2_pvalue([count[s] for s in seqs], [expected[s] for s in seqs]))
-    return pvalues
+    return sequence_pvalues(target, prompts, counts, length)
 
 
 def test_batched_loop_matches_target_distribution_chi_square():

@@ -16,7 +16,7 @@ from specdecode.proposers.base import Draft
 from specdecode.proposers.cross_vocab import CrossVocabProposer, shared_vocabulary
 from specdecode.sampling import SamplingParams
 
-from helpers import chi2_pvalue, target_sequence_probs, tiny_llama
+from helpers import sequence_pvalues, tiny_llama
 
 
 def char_tokenizer(vocab: dict[str, int]):
@@ -60,12 +60,7 @@ def tli_pvalues(proposer_class, batches):
         for i, result in enumerate(run_all(target, proposer, [Request(p, c) for p, c in zip(prompts, configs)],
                                            tokenizer=TARGET_TOK)):
             counts[i][tuple(result.token_ids)] += 1
-    pvalues = []
-    for prompt, count in zip(prompts, counts):
-        expected = target_sequence_probs(target, prompt, length, SamplingParams())
-        seqs = sorted(expected)
-        pvalues.append(chi2_pvalue([count[s] for s in seqs], [expected[s] for s in seqs]))
-    return pvalues
+    return sequence_pvalues(target, prompts, counts, length)
 
 
 def test_tli_with_a_foreign_vocabulary_matches_the_target_distribution_chi_square():

@@ -15,7 +15,7 @@ from specdecode.proposers.base import Draft
 from specdecode.proposers.suffix import SuffixIndex, SuffixProposer, continue_by_frequency
 from specdecode.sampling import SamplingParams
 
-from helpers import chi2_pvalue, target_sequence_probs, tiny_llama
+from helpers import sequence_pvalues, tiny_llama
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -96,7 +96,7 @@ class WrongQ(SuffixProposer):
                 for d in drafts]
 
 
-def sequence_pvalues(proposer_class, batches):
+def suffix_pvalues(proposer_class, batches):
     """Three prompts per batch through one engine per batch; the same proposer throughout, so later
     batches draft from earlier ones' outputs (share_seeded: seeded rows read the cache too)."""
     vocab, length = 4, 3
@@ -111,22 +111,17 @@ def sequence_pvalues(proposer_class, batches):
         for i, result in enumerate(run_all(target, proposer, [Request(p, c) for p, c in zip(prompts, configs)])):
             counts[i][tuple(result.token_ids)] += 1
             lookups += result.stats.num_lookup_steps
-    pvalues = []
-    for prompt, count in zip(prompts, counts):
-        expected = target_sequence_probs(target, prompt, length, SamplingParams())
-        seqs = sorted(expected)
-        pvalues.append(chi2_pvalue([count[s] for s in seqs], [expected[s] for s in seqs]))
-    return pvalues, lookups
+    return sequence_pvalues(target, prompts, counts, length), lookups
 
 
 def test_suffix_drafts_with_the_cache_match_the_target_distribution_chi_square():
     # 1000 batches of 3 rows (vocab 4, 3 tokens: 64 sequences per prompt), seeds 0..2999;
     # each prompt's test fails at significance 1e-3.
-    pvalues, lookups = sequence_pvalues(SuffixProposer, 1000)
+    pvalues, lookups = suffix_pvalues(SuffixProposer, 1000)
     assert min(pvalues) > 1e-3 and lookups > 1000
 
 
 def test_chi_square_detects_a_suffix_proposer_whose_q_is_not_what_it_proposed():
     # 300 batches: the exact test's bar (every prompt above 1e-3) fails by far (p < 1e-30 seen)
-    pvalues, _ = sequence_pvalues(WrongQ, 300)
+    pvalues, _ = suffix_pvalues(WrongQ, 300)
     assert min(pvalues) < 1e-6
