@@ -1,13 +1,14 @@
-"""Suffix drafts against prompt lookup, each in front of the default draft model, on three
+"""Suffix drafts against prompt lookup, each in front of the default draft model, on four
 workloads sent as a user's sequence of requests (greedy, one request at a time, so the suffix
 cache holds the earlier requests' outputs):
 
 - edits: HumanEval functions, each rewritten twice (type hints, then a docstring): outputs repeat
   the prompt, and the second request repeats much of the first's output;
 - agent: requests for a JSON tool call in one fixed format: outputs share their structure;
-- spec_bench: Spec-Bench questions (qa, summarization, rag, math reasoning): general text.
+- spec_bench: Spec-Bench questions (qa, summarization, rag, math reasoning): general text;
+- completion: HumanEval prompts continued as raw code (no chat template).
 
-Both proposers decode every request (interleaved: request i with each before request i+1), in one
+Every proposer decodes every request (interleaved: request i with each before request i+1), in one
 process; the report gives tokens/s, mean tokens per target call and the share of steps whose
 drafts were free (lookup), per workload, and the ratio suffix / lookup.
 
@@ -30,7 +31,7 @@ from specdecode.engine.driver import Driver
 from specdecode.engine.engine import Engine
 from specdecode.measure.data import humaneval_prompts, load_prompts
 from specdecode.measure.hardware import cpu_report
-from specdecode.proposers import build_proposer
+from specdecode.proposers import DraftModelProposer, PromptLookupProposer, SuffixProposer
 
 TOOLS = ["find flights from Paris to Rome on 3 May", "the weather in Oslo tomorrow",
          "convert 250 US dollars to euros", "the population of Canada in 2020", "open issues in the numpy repo",
@@ -40,15 +41,17 @@ AGENT = ('You are a tool-calling agent. Reply with one JSON object only, exactly
          '"reason": "<one short sentence>"}. The user asks for: ')
 
 
-def workloads(count: int) -> dict[str, list[str]]:
-    functions = [p["prompt"] for p in humaneval_prompts((count + 1) // 2)]
+def workloads(count: int) -> dict[str, tuple[list[str], bool]]:
+    """{name: (prompts, through the chat template)}."""
+    functions = [p["prompt"] for p in humaneval_prompts(max(count, (count + 1) // 2))]
     edits = [f"Rewrite this Python function {how}. Reply with the code only.\n\n{code}"
              for code in functions for how in ("adding type hints", "adding a docstring")][:count]
     agent = [AGENT + TOOLS[i % len(TOOLS)] for i in range(count)]
     tasks = ["qa", "summarization", "rag", "math_reasoning"]
     per_task = {task: load_prompts(task, (count + len(tasks) - 1) // len(tasks)) for task in tasks}
     spec_bench = [per_task[tasks[i % len(tasks)]][i // len(tasks)].text for i in range(count)]
-    return {"edits": edits, "agent": agent, "spec_bench": spec_bench}
+    return {"edits": (edits, True), "agent": (agent, True), "spec_bench": (spec_bench, True),
+            "completion": (functions[:count], False)}
 
 
 def main() -> None:
@@ -62,16 +65,23 @@ def main() -> None:
     decoder = SpeculativeDecoder(dtype=args.dtype, progress=progress, guard=False)
     greedy = SamplingParams(temperature=0)
     kinds = ("ngram", "suffix")
+    vocab = decoder.target.backend.vocab_size
+
+    def proposer(kind):
+        fallback = DraftModelProposer(decoder.draft.backend, decoder.draft_confidence)
+        if kind == "ngram":
+            return PromptLookupProposer(vocab, fallback=fallback)
+        return SuffixProposer(vocab, fallback=fallback)
+
     rows = []
-    for name, prompts in workloads(args.requests).items():
-        drivers = {kind: Driver(Engine(decoder.target.backend, build_proposer(
-            decoder.draft.backend, decoder.target.backend.vocab_size, prompt_lookup=kind,
-            confidence=decoder.draft_confidence), decoder.tokenizer, first_step_plain=True)) for kind in kinds}
+    for name, (prompts, chat) in workloads(args.requests).items():
+        drivers = {kind: Driver(Engine(decoder.target.backend, proposer(kind), decoder.tokenizer,
+                                       first_step_plain=True)) for kind in kinds}
         totals = {kind: [0, 0.0, 0, 0, 0] for kind in kinds}  # tokens, seconds, target calls, lookup steps, steps
         texts = {kind: [] for kind in kinds}
         for index, prompt in enumerate(prompts):
             for kind in kinds:
-                request = decoder.request(prompt, decoder.config(args.new_tokens, greedy), chat=True)
+                request = decoder.request(prompt, decoder.config(args.new_tokens, greedy), chat=chat)
                 start = time.perf_counter()
                 result = drivers[kind].result(drivers[kind].submit(request))
                 seconds = time.perf_counter() - start
@@ -83,7 +93,7 @@ def main() -> None:
                 total[4] += result.stats.num_target_calls
                 texts[kind].append(result.token_ids)
             progress(f"{name}: request {index + 1}/{len(prompts)} done")
-        same = texts["ngram"] == texts["suffix"]
+        same = all(texts[kind] == texts["ngram"] for kind in kinds)
         rates = {kind: totals[kind][0] / totals[kind][1] for kind in kinds}
         for kind in kinds:
             tokens, seconds, calls, lookups, steps = totals[kind]

@@ -23,7 +23,7 @@ from specdecode.proposers.cross_vocab import METHODS as CROSS_VOCAB_METHODS
 from specdecode.sampling import SamplingParams
 
 # Defaults, exact, chosen on HumanEval: free drafts first (suffix drafts since they measured
-# 1.01-1.15x n-gram prompt lookup, docs/suffix_drafts.md); otherwise the draft, with int4
+# 1.01-1.17x n-gram prompt lookup, docs/suffix_drafts.md); otherwise the draft, with int4
 # weights and eager attention, scoring only the first 32768 ids, drafts up to 8 tokens, stopping
 # once it is less than 40% sure of its own token. Fixed γ ≤ 8 beat the adaptive schedule on the
 # 20-prompt set (docs/bench_code_t0_fixed_gamma8.md 2.26x vs docs/bench_code_t0.md 2.07x) and
