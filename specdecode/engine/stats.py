@@ -43,7 +43,10 @@ class GenerationStats:
     @classmethod
     def combine(cls, parts: list["GenerationStats"]) -> "GenerationStats":
         """The stats of several generations decoded together (a request's n choices): counts
-        and times summed, wall time the longest, accepted_per_position summed per position."""
+        and times summed, wall time the longest, accepted_per_position summed per position.
+        One generation's are returned as they are."""
+        if len(parts) == 1:
+            return parts[0]
         total = cls(accepted_per_position=[0] * max((len(p.accepted_per_position) for p in parts), default=0))
         for part in parts:
             for f in dataclasses.fields(cls):

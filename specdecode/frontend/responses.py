@@ -10,8 +10,7 @@ vLLM does, so a harness asking `max_tokens: 1` always reads one generated token.
 
 A request for n choices of P prompts gets choices indexed 0..P·n-1, prompt-major (streamed: chunks
 of the choices interleave, each naming its index), and `usage` counting each prompt once and every
-choice's tokens. A
-completions request with `echo` gets the prompt text before each choice's text and, with
+choice's tokens. A completions request with `echo` gets the prompt text before each choice's text and, with
 `logprobs`, the prompt tokens' entries first (the first token's logprob and alternatives null).
 """
 
@@ -21,6 +20,7 @@ import time
 import uuid
 
 from specdecode.engine.stats import GenerationStats
+from specdecode.engine.text import IncrementalDetokenizer
 
 
 def chat_logprobs(entries, token_text) -> dict:
@@ -52,11 +52,16 @@ def logprobs_body(chat: bool, entries, offsets: list[int], tokenizer) -> dict:
 
 def echo_logprobs(prompt_ids: list[int], entries, tokenizer) -> dict:
     """Legacy completions `logprobs` of the prompt's tokens (echo): entries are
-    GenerationResult.prompt_logprobs (None first); text_offset from the decoded prefixes."""
+    GenerationResult.prompt_logprobs (None first); text_offset where each token's text starts,
+    decoded token by token as outputs are (engine.text: linear in the prompt's length)."""
+    detok, offsets, length = IncrementalDetokenizer(tokenizer, []), [], 0
+    for token in prompt_ids:
+        offsets.append(length)
+        length += len(detok.push(token))
     return {"tokens": [tokenizer.decode([t]) for t in prompt_ids],
             "token_logprobs": [None if e is None else e.logprob for e in entries],
             "top_logprobs": [None if e is None else {tokenizer.decode([t]): lp for t, lp in e.top} for e in entries],
-            "text_offset": [len(tokenizer.decode(prompt_ids[:j])) for j in range(len(prompt_ids))]}
+            "text_offset": offsets}
 
 
 def join_logprobs(first: dict, then: dict | None, shift: int) -> dict:
@@ -125,7 +130,7 @@ def full_response(ids: ResponseIds, results, prompt_tokens: int, tokenizer, wire
                 choice["logprobs"] = join_logprobs(echo_logprobs(prompt_ids, result.prompt_logprobs, tokenizer),
                                                    choice["logprobs"], len(echo))
         choices.append(choice)
-    stats = results[0].stats if len(results) == 1 else GenerationStats.combine([r.stats for r in results])
+    stats = GenerationStats.combine([r.stats for r in results])
     return {**ids.base(chunk=False), "choices": choices,
             "usage": usage(prompt_tokens, sum(completion_tokens(r) for r in results)),
             "speculation": speculation(stats)}

@@ -179,6 +179,5 @@ def result_record(row: Row, results: list[GenerationResult], body: dict) -> dict
     else:
         record["choices"] = choices
     record["usage"] = body["usage"]
-    record["speculation"] = (results[0].stats if len(results) == 1 else
-                             GenerationStats.combine([r.stats for r in results])).to_dict()
+    record["speculation"] = GenerationStats.combine([r.stats for r in results]).to_dict()
     return record
