@@ -107,6 +107,11 @@ class CrossVocabProposer(DraftModelProposer):
                              f"(of {len(draft_tokenizer)} and {len(target_tokenizer)}): too few for the draft to help; "
                              "pick a draft whose tokenizer is closer to the target's")
         self._shared_only = _SharedOnly(self.to_target >= 0)
+        # the shared draft ids and their target ids, once (TLI moves q along them every step)
+        device = backend.device
+        self._target_ids = self.to_target.to(device)
+        self._shared = (self.to_target >= 0).nonzero().squeeze(-1).to(device)
+        self._shared_targets = self._target_ids[self._shared]
         self.targets: list[list[int]] = []   # per row: its committed target tokens
         self.shadow: list[list[int]] = []    # per row: the draft's tokens of their text
         self._drafted: list[list[int]] = []  # per row: this step's draft tokens (draft ids)
@@ -174,10 +179,7 @@ class CrossVocabProposer(DraftModelProposer):
             tokens = torch.tensor(ids, dtype=torch.long, device=device)
             return Draft(tokens, torch.nn.functional.one_hot(tokens, self.target_vocab_size).float(),
                          forwards=draft.forwards)
-        to_target = self.to_target.to(device)
-        tokens = to_target[draft.tokens]
-        width = draft.probs.shape[-1]
-        shared = (to_target[:width] >= 0).nonzero().squeeze(-1)
+        tokens = self._target_ids[draft.tokens]
         probs = torch.zeros((len(tokens), self.target_vocab_size), dtype=draft.probs.dtype, device=device)
-        probs[:, to_target[shared]] = draft.probs[:, shared]
+        probs[:, self._shared_targets] = draft.probs[:, self._shared]
         return Draft(tokens, probs, forwards=draft.forwards)
