@@ -150,6 +150,12 @@ def test_an_unknown_model_exits_2_with_one_line(capsys):
     assert len(err) == 1 and err[0].startswith("specdecode: error: ") and "./no/such/dir" in err[0]
 
 
+def test_a_missing_draft_tokenizer_exits_2_with_one_line(capsys):
+    assert main(["generate", "hi", "--draft-tokenizer", "./no/such/tok", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["specdecode: error: tokenizer path './no/such/tok' is not a directory"]
+
+
 def test_the_default_out_is_a_new_dated_folder_of_its_own():
     from datetime import datetime
 

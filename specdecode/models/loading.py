@@ -102,8 +102,10 @@ def load_tokenizer(spec):
     """
     from transformers import AutoTokenizer
 
+    if str(spec).startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(str(spec))):
+        raise ValueError(f"tokenizer path {str(spec)!r} is not a directory")
     try:
-        return AutoTokenizer.from_pretrained(str(spec))
+        return AutoTokenizer.from_pretrained(os.path.expanduser(str(spec)))
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot load tokenizer {str(spec)!r}: {type(err).__name__}: {str(err).splitlines()[0]}") \
             from None
