@@ -75,7 +75,7 @@ def test_one_row_calls_without_onednn_give_the_bfloat16_logits_and_leave_onednn_
         backend.forward([PROMPT], 1)
     one, other = default.forward([[9]], 1), gemv.forward([[9]], 1)
     assert torch.allclose(one, other, atol=0.05, rtol=0.02)  # bfloat16 rounding of another kernel
-    assert torch._C._get_mkldnn_enabled()  # switched back after the call
+    assert torch.backends.mkldnn.enabled  # switched back after the call
 
 
 def test_wide_upcast_linear_reads_many_rows_as_float32_products_of_the_bfloat16_values():

@@ -14,6 +14,8 @@ import platform
 
 import torch
 
+from specdecode.models import kernels
+
 # The flags that decide which kernels run (x86 and ARM names as /proc/cpuinfo spells them).
 KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
                 "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2", "bf16", "i8mm")
@@ -43,10 +45,7 @@ def _cpuinfo() -> tuple[str, set[str]]:
 def native_bfloat16() -> bool:
     """Whether a bfloat16 matrix product of several rows has a native kernel here (oneDNN's
     AVX-512-BF16 / AMX path on x86; it honours ONEDNN_MAX_CPU_ISA). CUDA devices are not asked."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    return kernels.onednn_bfloat16_supported()
 
 
 def cpu_report() -> dict:

@@ -28,6 +28,7 @@ from typing import Iterator
 import torch
 
 from specdecode.models import lean as lean_decoder
+from specdecode.models.kernels import without_onednn
 from specdecode.models.quant import QUANTIZED_LINEAR
 
 # Compact once dead slots exceed both this many slots and the longest row's length: compaction
@@ -35,18 +36,6 @@ from specdecode.models.quant import QUANTIZED_LINEAR
 # attention cost.
 COMPACT_MIN_DEAD = 64
 COMPACT_RATIO = 1.0
-
-
-@contextlib.contextmanager
-def _without_onednn():
-    """torch's own CPU kernels for the calls inside (oneDNN is a process-wide switch; the engine
-    runs its forwards on one thread)."""
-    enabled = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(enabled)
 
 
 def limited_head(model, vocab_limit: int | None):
@@ -284,7 +273,7 @@ class HFCausalLM:
             tree_blocks = self._tree_blocks(trees, [len(f) for f in feeds], positions, width)
         # Dense rows (one row always is) need no mask: the model's own causal path.
         mask = None if bool(valid.all()) and trees is None else self._mask(valid, width, tree_blocks)
-        with _without_onednn() if batch * width == 1 and not self.one_row_onednn else contextlib.nullcontext():
+        with without_onednn() if batch * width == 1 and not self.one_row_onednn else contextlib.nullcontext():
             if self._lean is not None:
                 hidden = self._lean(tokens, mask, positions, self.cache)
                 logits = (self._head or self.model.get_output_embeddings())(hidden[:, -num_logits:])

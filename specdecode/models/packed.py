@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.models import kernels
+
 
 def available() -> bool:
     """Whether this torch build has oneDNN's packed linear (x86 CPU builds do)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return (torch.backends.mkldnn.is_available() and kernels.available("onednn_pack_weight")
+            and kernels.available("onednn_linear"))
 
 
 class PackedLinear(torch.nn.Module):
@@ -39,14 +42,14 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # not parameters: model.to() or .half() must not touch a layout only oneDNN reads
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)
+        self._packed = kernels.onednn_pack_weight(linear.weight.detach(), rows_hint)
         self._bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self._bias, "none", [], "")
+        out = kernels.onednn_linear(flat, self._packed, self._bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 

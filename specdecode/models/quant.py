@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
-# What torch's CPU kernels take (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu); float64 fails
+from specdecode.models import kernels
+
+# What torch's CPU kernels take (kernels.int8_matmul, kernels.int4_matmul); float64 fails
 # inside them at the first draft step, so prepare_draft checks first.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_GROUP_SIZE = 32  # inputs per int4 scale and zero
@@ -85,13 +87,13 @@ class Int8Linear(_QuantizedLinear):
         return self.weight_int8.to(dtype) * self.scale.to(dtype)[:, None]
 
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(flat, self.weight_int8, self.scale.to(flat.dtype))
+        return kernels.int8_matmul(flat, self.weight_int8, self.scale.to(flat.dtype))
 
 
 class Int4Linear(_QuantizedLinear):
     """y = x Wᵀ + b with W in groups of `group_size` inputs, each stored as 4-bit codes q with a
     scale s and zero z (asymmetric min/max): W ≈ (q − 8)·s + z, the form of PyTorch's CPU int4
-    kernel (`torch._weight_int4pack_mm_for_cpu`, the one gpt-fast uses).
+    kernel (`kernels.int4_matmul`, the one gpt-fast uses).
 
     The kernel's packed layout depends on the CPU's vector width, so the codes are also kept
     nibble-packed in plain row order ([out, in/2] uint8) for dequantizing and slicing; the two
@@ -131,7 +133,7 @@ class Int4Linear(_QuantizedLinear):
         self.group_size = group_size
         self.register_buffer("nibbles", codes[:, 0::2] | (codes[:, 1::2] << 4))
         self.register_buffer("scale_zero", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(weight.dtype))
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
+        self.register_buffer("packed", kernels.int4_pack(codes.to(torch.int32)))
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
@@ -145,7 +147,7 @@ class Int4Linear(_QuantizedLinear):
         layer.register_buffer("nibbles", nibbles)
         layer.register_buffer("scale_zero", scale_zero)
         if packed is None:
-            packed = torch._convert_weight_to_int4pack_for_cpu(layer.codes().to(torch.int32), 1)
+            packed = kernels.int4_pack(layer.codes().to(torch.int32))
         layer.register_buffer("packed", packed)
         layer.bias = bias
         return layer
@@ -184,8 +186,7 @@ class Int4Linear(_QuantizedLinear):
         return part if rows == n else _Rows(part, n)
 
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size,
-                                                 self.scale_zero.to(flat.dtype))
+        return kernels.int4_matmul(flat, self.packed, self.group_size, self.scale_zero.to(flat.dtype))
 
 
 def kernel_layout() -> str:
