@@ -67,3 +67,66 @@ def test_stream_events_carry_the_logprobs(llamas):
     assert [e.logprob for e in events] == result.logprobs
     record = result.to_dict()
     assert record["logprobs"][0]["token_id"] == result.token_ids[0] and len(record["logprobs"][0]["top"]) == 2
+
+
+# --- logprobs after a stop string (the library gives what the wire formats list) --------------------
+
+SCRIPT_WORDS = [" landsc", "旨"]  # a 7-character token, then a multi-byte character, one token each
+
+
+@pytest.fixture(scope="module")
+def script_dirs(tmp_path_factory):
+    """A tiny target and draft whose tokenizer has ' landsc' and '旨' as single tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, "<bos>": 3}
+    vocab.update({w: i + 4 for i, w in enumerate(SCRIPT_WORDS + list("abc"))})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
+                                        unk_token="<unk>", bos_token="<bos>")
+    root, dirs = tmp_path_factory.mktemp("script"), {}
+    for name, seed in (("target", 0), ("draft", 1)):
+        tiny_llama(seed, layers=1, vocab=len(tokenizer)).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+    return dirs
+
+
+def scripted(first: int, then: int):
+    """A logits processor that makes greedy decoding emit `first`, then `then` for ever."""
+    def processor(input_ids, scores):
+        forced = first if input_ids.shape[1] == 3 else then  # the prompt "abc" is 3 tokens
+        scores = torch.full_like(scores, -1e9)
+        scores[0, forced] = 0.0
+        return scores
+    return processor
+
+
+@pytest.mark.parametrize("with_draft", [False, True], ids=["plain", "speculative"])
+@pytest.mark.parametrize("stop, text", [("旨旨", " landsc"), ("旨", " landsc"), ("c旨", " lands")])
+def test_the_results_logprobs_cover_exactly_the_text_a_stop_string_leaves(script_dirs, with_draft, stop, text):
+    """A stop string that starts at a token boundary ends the listed tokens before it; one that
+    starts inside a token lists that token (text_offset never past the text), as the server does."""
+    from specdecode import SpeculativeDecoder
+    from specdecode.frontend import responses
+
+    decoder = SpeculativeDecoder(script_dirs["target"], script_dirs["draft"] if with_draft else None,
+                                 dtype="float32", guard=False, num_speculative_tokens=3)
+    landsc, mark = (decoder.tokenizer.convert_tokens_to_ids(w) for w in SCRIPT_WORDS)
+    kw = dict(max_new_tokens=8, sampling=SamplingParams(temperature=0), chat=False, logprobs=2, stop=stop,
+              logits_processors=[scripted(landsc, mark)])
+    full = decoder.generate("abc", **kw)
+    stream = decoder.generate("abc", stream=True, **kw)
+    events = list(stream)
+    for result in (full, stream.result):
+        assert result.text == text and result.finish_reason == "stop"
+        assert result.token_ids[:2] == [landsc, mark]        # every generated token is counted
+        assert [e.token_id for e in result.logprobs] == [landsc] and result.text_offsets == [0]
+        assert result.num_returned_tokens == 1 and result.to_dict()["logprobs"] == [result.logprobs[0].to_dict()]
+        body = responses.full_response(responses.ResponseIds(False, "m"), [result], 3, decoder.tokenizer)
+        assert body["choices"][0]["logprobs"]["tokens"] == [" landsc"]
+        assert body["choices"][0]["logprobs"]["text_offset"] == [0]
+    assert [e.logprob for e in events][:1] == stream.result.logprobs

@@ -113,9 +113,12 @@ class _Row:
         self.stats.wall_time_s = time.perf_counter() - self.start
         if self.policy.guard is not None:
             self.stats.num_guard_pauses = self.policy.guard.num_pauses
+        # logprobs and offsets cover exactly the returned text, by the rule the wire formats use
+        returned = self.out.num_returned_tokens
+        logprobs = self.out.logprobs[:returned] if self.out.logprobs is not None else None
         return GenerationResult(self.out.text, self.out.token_ids, self.out.finish_reason, self.stats,
-                                self.out.origins, self.out.logprobs, self.out.text_offsets,
-                                self.out.num_returned_tokens, self.prompt_logprobs)
+                                self.out.origins, logprobs, self.out.text_offsets[:returned], returned,
+                                self.prompt_logprobs)
 
 
 def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor, config: DecodeConfig,

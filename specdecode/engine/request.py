@@ -116,9 +116,11 @@ class GenerationResult:
     finish_reason: str    # "stop" | "length" | "eos" | "abort"
     stats: GenerationStats
     origins: list[str]    # per token: accepted | corrected | bonus | target
-    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for them
-    text_offsets: list[int] | None = None  # per token: where its text starts in `text`'s characters
-    num_returned_tokens: int | None = None  # of token_ids, those a response lists (Output.num_returned_tokens)
+    # logprobs and text_offsets list the first num_returned_tokens of token_ids: those whose text
+    # starts before a stop string's cut (all of them otherwise; Output.num_returned_tokens)
+    logprobs: list[TokenLogprob] | None = None  # per returned token, when the request asked for them
+    text_offsets: list[int] | None = None  # per returned token: where its text starts in `text`'s characters
+    num_returned_tokens: int | None = None  # of token_ids, those listed (as every response lists them)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None), when asked
 
     def to_dict(self) -> dict:

@@ -119,8 +119,7 @@ def full_response(ids: ResponseIds, results, prompt_tokens: int, tokenizer, wire
         echo = wire.echo[index // wire.n] if wire is not None and wire.echo is not None else None
         choice = {"index": index, "finish_reason": finish_reason(result.finish_reason), "logprobs": None}
         if result.logprobs is not None:
-            n = result.num_returned_tokens
-            choice["logprobs"] = logprobs_body(ids.chat, result.logprobs[:n], result.text_offsets[:n], tokenizer)
+            choice["logprobs"] = logprobs_body(ids.chat, result.logprobs, result.text_offsets, tokenizer)
         if ids.chat:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
