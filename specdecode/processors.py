@@ -18,6 +18,7 @@ min_tokens EOS mask, the request's logits processors in order, the grammar mask.
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -174,6 +175,9 @@ class LogitsPipeline:
         self.transforms = list(transforms) + ([grammar] if grammar is not None else [])
         self.vocab_size = vocab_size
         self.grammar = grammar
+        # the last exception its transforms raised: a step that fails with it is this request's
+        # fault alone (the engine names the request: Engine.culprit)
+        self.error: Exception | None = None
 
     def __call__(self, committed: Sequence[int], drafts: Sequence[int], logits: torch.Tensor,
                  start: int = 0) -> torch.Tensor:
@@ -185,18 +189,30 @@ class LogitsPipeline:
             logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
         else:  # a copy: transforms change it in place, and the raw logits still serve logprobs
             logits = logits[..., :self.vocab_size].clone()
-        for transform in self.transforms:
-            logits = transform(committed, drafts, logits, start)
+        with self._blamed():
+            for transform in self.transforms:
+                logits = transform(committed, drafts, logits, start)
         return logits
 
     def valid_prefix(self, committed: Sequence[int], drafts: Sequence[int]) -> int:
         """How many of the drafts the grammar allows in a row (all of them without a grammar)."""
-        return len(drafts) if self.grammar is None else self.grammar.valid_prefix(committed, drafts)
+        with self._blamed():
+            return len(drafts) if self.grammar is None else self.grammar.valid_prefix(committed, drafts)
 
     def forced(self, committed: Sequence[int], drafts: Sequence[int]) -> int | None:
         """The one token the grammar allows after committed + drafts, or None (several, or no
         grammar), or specdecode.grammar.ENDED (-1) once it has taken its stop token."""
-        return None if self.grammar is None else self.grammar.forced(committed, drafts)
+        with self._blamed():
+            return None if self.grammar is None else self.grammar.forced(committed, drafts)
+
+    @contextmanager
+    def _blamed(self):
+        """Record an exception of the transforms as this pipeline's (an interrupt is nobody's)."""
+        try:
+            yield
+        except Exception as err:
+            self.error = err
+            raise
 
 
 def build_pipeline(sampling, prompt_len: int, vocab_size: int, logits_processors: Sequence[Callable] = (),

@@ -12,6 +12,7 @@ import pytest
 from specdecode import SamplingParams, SpeculativeDecoder
 
 GREEDY = SamplingParams(temperature=0)
+ENDLESS = SamplingParams(temperature=0, ignore_eos=True)  # runs to max_new_tokens
 PROMPTS = ["abc", "hhh a", "the cafe", "bad bed", "ace", "dead beef"]
 
 
@@ -60,6 +61,62 @@ def test_a_stream_that_fails_in_another_callers_step_raises_and_leaves_nothing(d
         list(stream)
     assert not decoder.engine.has_work
     assert decoder.generate("ace", max_new_tokens=16, sampling=GREEDY, chat=False).token_ids == expected["ace"]
+
+
+def test_the_request_whose_processor_raises_gets_its_error_and_the_thread_that_stepped_a_runtime_error(
+        decoder, expected):
+    """The failing step runs in the innocent caller's thread (the raiser's stream has not been
+    iterated yet): the raiser still gets its own error, the innocent one a RuntimeError naming it."""
+    outcome = {}
+    joined = threading.Event()
+
+    def innocent():
+        while not joined.is_set():
+            time.sleep(0.001)
+        try:
+            outcome["innocent"] = decoder.generate("dead beef", max_new_tokens=200, sampling=ENDLESS, chat=False)
+        except Exception as err:  # noqa: BLE001 - checked below
+            outcome["innocent"] = err
+
+    thread = threading.Thread(target=innocent)
+    thread.start()
+    raiser = decoder.generate("abc", max_new_tokens=200, sampling=GREEDY, chat=False, stream=True,
+                              logits_processors=[failing_after(3, ValueError("boom"))])
+    joined.set()  # the innocent thread steps both rows from now on
+    thread.join(120)
+    with pytest.raises(ValueError, match="boom"):
+        list(raiser)
+    assert isinstance(outcome["innocent"], RuntimeError) and "ValueError: boom" in str(outcome["innocent"])
+    assert not decoder.engine.has_work and not decoder._driver.failed
+    assert decoder.generate("abc", max_new_tokens=16, sampling=GREEDY, chat=False).token_ids == expected["abc"]
+
+
+def test_two_threads_generating_each_get_their_own_outcome_when_one_processor_raises(decoder, expected):
+    """Whichever thread steps the failing step: the raiser gets ValueError('boom'), the innocent
+    request (started first, long, so both are in that step) a RuntimeError naming it."""
+    for _ in range(4):
+        outcome, running = {}, threading.Event()
+
+        def call(name, **kw):
+            try:
+                outcome[name] = decoder.generate(chat=False, sampling=ENDLESS, **kw)
+            except Exception as err:  # noqa: BLE001 - checked below
+                outcome[name] = err
+
+        innocent = threading.Thread(target=call, args=("innocent",), kwargs=dict(
+            prompt="dead beef", max_new_tokens=200, logits_processors=[lambda ids, scores: running.set() or scores]))
+        raiser = threading.Thread(target=call, args=("raiser",), kwargs=dict(
+            prompt="abc", max_new_tokens=16, logits_processors=[failing_after(3, ValueError("boom"))]))
+        innocent.start()
+        assert running.wait(60)
+        raiser.start()
+        for t in (innocent, raiser):
+            t.join(120)
+        assert type(outcome["raiser"]) is ValueError and str(outcome["raiser"]) == "boom"
+        assert isinstance(outcome["innocent"], RuntimeError) and "ValueError: boom" in str(outcome["innocent"])
+        assert not decoder.engine.has_work and not decoder._driver.failed
+    assert decoder.generate("dead beef", max_new_tokens=16, sampling=GREEDY, chat=False).token_ids == \
+        expected["dead beef"]
 
 
 def test_several_threads_may_generate_on_one_decoder_at_once(decoder, expected):

@@ -12,6 +12,10 @@ from specdecode.engine.engine import Engine
 from specdecode.engine.request import DecodeConfig, GenerationResult, Request, TokenEvent
 
 
+class StepFailed(RuntimeError):
+    """A request ended because a step it was in failed for another request's error (named)."""
+
+
 class Driver:
     """Steps one engine on behalf of several waiting callers, from any number of threads.
 
@@ -19,10 +23,12 @@ class Driver:
     results wait in `results` until taken. One lock guards the engine: callers in several threads
     take turns stepping it, and each step serves every caller's rows.
 
-    A step that raises (a logits processor's error, Ctrl-C) fails the requests in the engine: the
-    engine starts clean (its caches may hold half a step), the caller that stepped gets the error,
-    and every other waiting caller gets a RuntimeError naming it; the next call is clean. A caller
-    interrupted between steps aborts its own request.
+    A step that raises fails every request in the engine, and the engine starts clean (its caches
+    may hold half a step). The request at fault gets the error itself, whichever caller's thread
+    stepped: the one whose logits processor (or grammar) raised it, or, for an error that is no one
+    request's (a backend's, Ctrl-C), the caller that stepped. Every other request gets a StepFailed
+    (a RuntimeError) naming the error. The next call is clean. A caller interrupted between steps
+    aborts its own request.
     """
 
     def __init__(self, engine: Engine):
@@ -47,8 +53,11 @@ class Driver:
             try:
                 outputs = self.engine.step()
             except BaseException as err:
-                self._fail_all(err)
-                raise
+                culprit = self.engine.culprit(err)
+                self._fail_all(err, culprit)
+                if culprit is None:  # nobody's request in particular: the caller that stepped
+                    raise
+                return  # each caller finds its request's failure in _take
             for output in outputs:
                 queue = self.events.get(output.request_id)
                 if queue is not None:
@@ -56,11 +65,11 @@ class Driver:
                 if output.result is not None:
                     self.results[output.request_id] = output.result
 
-    def _fail_all(self, err: BaseException) -> None:
+    def _fail_all(self, err: BaseException, culprit: int | None) -> None:
         ids = [row.request_id for row in self.engine.running] + [rid for rid, _ in self.engine.waiting]
         self.engine.reset()
         for request_id in ids:
-            self.failed[request_id] = RuntimeError(
+            self.failed[request_id] = err if request_id == culprit else StepFailed(
                 f"a decoding step failed ({type(err).__name__}: {err}); every request running in it ended")
 
     def _take(self, request_id: int) -> GenerationResult | None:
@@ -73,6 +82,13 @@ class Driver:
                 self.events.pop(request_id, None)
                 return self.results.pop(request_id)
             return None
+
+    def _failure(self, request_ids: Iterable[int]) -> BaseException | None:
+        """The error to raise for a call holding these requests, if a step failed them: a
+        request's own error before a StepFailed."""
+        with self._lock:
+            errors = [self.failed[rid] for rid in request_ids if rid in self.failed]
+        return next((e for e in errors if not isinstance(e, StepFailed)), errors[0] if errors else None)
 
     def result(self, request_id: int) -> GenerationResult:
         """Step until the request finishes; its result."""
@@ -126,6 +142,9 @@ class Driver:
                 if not active:
                     continue
                 self.step()
+                error = self._failure(rid for _, _, results in active.values() for rid in results)
+                if error is not None:
+                    raise error
                 for key, (item, context, results) in list(active.items()):
                     for request_id, result in results.items():
                         if result is None and (result := self._take(request_id)) is not None:

@@ -293,9 +293,21 @@ class Engine:
         if self.proposer is not None:
             self.proposer.select([])
 
+    def culprit(self, error: BaseException) -> int | None:
+        """After step() raised `error` (before reset()): the id of the running request whose own
+        logits pipeline raised it (its processors, its grammar), or None when no one request's
+        code did (a backend's error, an interrupt)."""
+        return next((row.request_id for row in self.running
+                     if row.pipeline is not None and row.pipeline.error is error), None)
+
     def step(self) -> list[StepOutput]:
         """One target call for every running row (after admitting waiting requests), in the six
-        phases of the module docstring."""
+        phases of the module docstring.
+
+        Raises:
+            what a row's logits pipeline or a backend raises; the caches may then hold half the
+            step: reset() before the next (culprit() first names the request at fault, if one is).
+        """
         scored = self._admit()
         outputs = {row.request_id: StepOutput(row.request_id, []) for row in self.running}
         for row in scored:  # their first output carries the prompt's logprobs
