@@ -818,3 +818,26 @@ def test_slow_clients_are_cut_off_allowed_sites_work_and_ctrl_c_exits_130(chat_m
         if s.process.poll() is None:
             s.process.send_signal(signal.SIGINT)
         assert s.process.wait(timeout=60) == 130
+
+
+def test_a_client_that_stops_sending_its_body_is_counted_as_aborted_not_as_a_server_error(chat_model_dirs):
+    """Headers announcing 1000 bytes, 10 bytes, then silence past --timeout-request: the server
+    closes the connection and counts a client abort (as for a client gone while waiting for its
+    answer), with no 5xx and no traceback in its log; then it serves on."""
+    s = Server(chat_model_dirs, "--timeout-request", "1")
+    try:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n" + b'{"model": ')
+            assert sock.recv(1024) == b""  # closed by the server after --timeout-request
+        deadline = time.monotonic() + 10
+        while metric(s, 'specdecode:requests_total{status="aborted"}') < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metric(s, 'specdecode:requests_total{status="aborted"}') == 1
+        assert metric(s, 'specdecode:requests_total{status="500"}') == 0
+        assert complete(s, "abc", max_tokens=3).choices[0].text is not None
+    finally:
+        code = s.stop()
+    log = s.process.stderr.read()
+    assert "Exception in ASGI application" not in log and "Traceback" not in log, log
+    assert code == 0

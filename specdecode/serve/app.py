@@ -13,6 +13,7 @@ from importlib import resources
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from specdecode.frontend import responses as protocol
 from specdecode.frontend.schema import ApiError, ChatRequest, CompletionRequest, check_model, parse
@@ -62,6 +63,11 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
     async def http_error(_, err: HTTPException):  # unknown routes, wrong methods: the same error shape
         return JSONResponse(ApiError(err.status_code, str(err.detail)).body(), status_code=err.status_code,
                             headers=getattr(err, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_, err: ClientDisconnect):  # it left while sending its body: nobody reads this
+        metrics.requests.labels(status="aborted").inc()
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def server_error(_, err: Exception):
