@@ -38,6 +38,23 @@ COMPACT_MIN_DEAD = 64
 COMPACT_RATIO = 1.0
 
 
+def _holds_states(layer) -> bool:
+    """Whether a layer of a transformers DynamicCache holds states (a layer no forward has
+    written yet holds none, or empty ones after a crop to 0 slots)."""
+    return getattr(layer, "keys", None) is not None and layer.keys.numel() > 0
+
+
+def _held_states(cache) -> Iterator[tuple[object, str, torch.Tensor]]:
+    """(layer, "keys" or "values", states [B, heads, S, head_dim]) for every layer of a
+    transformers DynamicCache that holds states: what a change to the rows or slots of the
+    cache (add a row, move or gather slots) must change, each with setattr(layer, name, new) or
+    in place."""
+    for layer in cache.layers:
+        if _holds_states(layer):
+            for name in ("keys", "values"):
+                yield layer, name, getattr(layer, name)
+
+
 def limited_head(model, vocab_limit: int | None):
     """(a function hidden [..., H] → logits of the first vocab_limit ids, or None for the model's
     own head; V). Works for float and int8/int4 heads.
@@ -160,12 +177,8 @@ class HFCausalLM:
             self.reset()
         self.valid = torch.cat([self.valid, torch.zeros((1, self.num_slots), dtype=torch.bool, device=self.device)])
         self._lengths = torch.cat([self._lengths, self._lengths.new_zeros(1)])
-        for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-                continue
-            for name in ("keys", "values"):
-                states = getattr(layer, name)
-                setattr(layer, name, torch.cat([states, states.new_zeros((1, *states.shape[1:]))]))
+        for layer, name, states in _held_states(self.cache):
+            setattr(layer, name, torch.cat([states, states.new_zeros((1, *states.shape[1:]))]))
         if prefix_ids:
             self.fill(self.num_rows - 1, prefix_ids)
 
@@ -193,7 +206,7 @@ class HFCausalLM:
         self.valid[row, width - n:] = True
         self._lengths[row] = n
         for layer, new in zip(self.cache.layers, read):
-            empty = getattr(layer, "keys", None) is None or layer.keys.numel() == 0
+            empty = not _holds_states(layer)
             for name, states_read in zip(("keys", "values"), new):
                 if empty:  # nothing read before: every row gets `width` invalid slots
                     states = states_read.new_zeros((self.num_rows, states_read.shape[1], width, states_read.shape[3]))
@@ -348,12 +361,8 @@ class HFCausalLM:
             return
         source = torch.tensor(slots, dtype=torch.long, device=self.device)
         target = torch.arange(first, first + len(slots), device=self.device)
-        for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-                continue
-            for name in ("keys", "values"):
-                states = getattr(layer, name)  # [B, heads, S, head_dim]
-                states[b, :, target] = states[b, :, source]
+        for _, _, states in _held_states(self.cache):
+            states[b, :, target] = states[b, :, source]
 
     def _mask(self, valid: torch.Tensor, width: int, tree_blocks: list | None = None) -> torch.Tensor:
         """[B, 1, T, S] additive float mask: 0 where the query may look, dtype-min elsewhere."""
@@ -422,11 +431,7 @@ class HFCausalLM:
         width = int(self._lengths.max())
         # A stable sort of the 0/1 map puts invalid slots first and valid ones after, in order.
         order = torch.sort(self.valid.to(torch.uint8), dim=1, stable=True).indices[:, self.num_slots - width:]
-        for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-                continue
-            for name in ("keys", "values"):
-                states = getattr(layer, name)
-                index = order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
-                setattr(layer, name, states.gather(2, index))
+        for layer, name, states in _held_states(self.cache):
+            index = order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
+            setattr(layer, name, states.gather(2, index))
         self.valid = self.valid.gather(1, order)
