@@ -31,7 +31,7 @@ from specdecode.engine.driver import Driver
 from specdecode.engine.engine import Engine
 from specdecode.measure.data import humaneval_prompts, load_prompts
 from specdecode.measure.hardware import cpu_report
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer, SuffixProposer
+from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer, SuffixProposer
 
 TOOLS = ["find flights from Paris to Rome on 3 May", "the weather in Oslo tomorrow",
          "convert 250 US dollars to euros", "the population of Canada in 2020", "open issues in the numpy repo",
@@ -70,8 +70,8 @@ def main() -> None:
     def proposer(kind):
         fallback = DraftModelProposer(decoder.draft.backend, decoder.draft_confidence)
         if kind == "ngram":
-            return PromptLookupProposer(vocab, fallback=fallback)
-        return SuffixProposer(vocab, fallback=fallback)
+            return FallbackProposer(PromptLookupProposer(vocab), fallback)
+        return FallbackProposer(SuffixProposer(vocab), fallback)
 
     rows = []
     for name, (prompts, chat) in workloads(args.requests).items():

@@ -10,7 +10,7 @@ import dataclasses
 from specdecode import SamplingParams, SpeculativeDecoder
 from specdecode.measure.bench import BASELINE, NoEOS, _hf_runner, _our_runner, run_configs, summarize
 from specdecode.measure.data import load_prompts
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.measure.report import environment, fmt, markdown_table, write
 
 NEW_TOKENS = 128
@@ -25,7 +25,7 @@ prompts = [("code", decoder.encode(p.text, chat=False)) for p in load_prompts("c
 def ours(gamma, schedule, lookup):
     def make():
         proposer = DraftModelProposer(draft, 0.4)
-        return PromptLookupProposer(target.vocab_size, fallback=proposer) if lookup else proposer
+        return FallbackProposer(PromptLookupProposer(target.vocab_size), proposer) if lookup else proposer
     return _our_runner(target, make, gamma, NEW_TOKENS, greedy, decoder.guard_costs, gamma_schedule=schedule)
 
 

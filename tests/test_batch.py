@@ -13,7 +13,7 @@ from specdecode.engine.driver import run, run_all
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import BONUS, CORRECTED, DecodeConfig, Request
 from specdecode.models import HFCausalLM, TableModel
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 
 from helpers import sequence_pvalues, single_row_logits, tiny_llama, tiny_mistral
@@ -114,7 +114,7 @@ def batched_sequence_counts(backend_class, batches=1000, vocab=4, k=3, length=3,
                                 sampling=SamplingParams(seed=3 * run_index + i)) for i in range(len(prompts))]
         proposer = DraftModelProposer(draft)
         if lookup:
-            proposer = PromptLookupProposer(vocab, fallback=proposer)
+            proposer = FallbackProposer(PromptLookupProposer(vocab), proposer)
         results = run_all(target, proposer, requests(prompts, configs))
         for i, result in enumerate(results):
             counts[i][tuple(result.token_ids)] += 1

@@ -15,7 +15,7 @@ import torch
 from specdecode.engine.driver import run
 from specdecode.engine.request import DecodeConfig
 from specdecode.models import HFCausalLM, TableModel
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams, adjust
 from specdecode.verify import (acceptance_probs, block_acceptance_probs, block_residual, block_step,
                                speculative_step)
@@ -238,7 +238,7 @@ def test_block_step_same_seed_same_output_and_padded_draft_vocab():
 @pytest.mark.parametrize("make_proposer", [
     lambda d: DraftModelProposer(d),
     pytest.param(lambda d: DraftModelProposer(d, confidence_threshold=0.5), marks=pytest.mark.slow),
-    pytest.param(lambda d: PromptLookupProposer(4, max_ngram=2, min_ngram=1, fallback=DraftModelProposer(d)),
+    pytest.param(lambda d: FallbackProposer(PromptLookupProposer(4, max_ngram=2, min_ngram=1), DraftModelProposer(d)),
                  marks=pytest.mark.slow),
 ], ids=["fixed-gamma", "confidence-stop", "lookup+draft"])
 def test_block_loop_matches_target_distribution_chi_square(make_proposer):

@@ -8,7 +8,7 @@ import torch
 from specdecode.engine.driver import run
 from specdecode.engine.request import BONUS, CORRECTED, TARGET, DecodeConfig
 from specdecode.models import TableModel
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 
 from helpers import chi2_pvalue, decode, loop_sequence_counts
@@ -95,7 +95,7 @@ def test_caches_hold_exactly_the_committed_prefix_after_every_step(sampling, loo
     draft = CheckedTable(8, seed=7, committed=committed)
     proposer = DraftModelProposer(draft)
     if lookup:  # the draft model sits out the steps that lookup serves, then catches up
-        proposer = PromptLookupProposer(8, max_ngram=2, min_ngram=1, fallback=proposer)
+        proposer = FallbackProposer(PromptLookupProposer(8, max_ngram=2, min_ngram=1), proposer)
     events = decode(target, proposer, prompt, config(60, k=3, sampling=sampling))
     while True:
         try:

@@ -13,7 +13,7 @@ from specdecode.engine.driver import Driver, run, run_all
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import DecodeConfig, Request
 from specdecode.models import HFCausalLM, TableModel
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device here")])]
@@ -146,7 +146,7 @@ def test_guard_adaptive_gamma_and_prompt_lookup_run_per_row_inside_a_batch():
             config(40, gamma_schedule="adaptive", k=8)]
 
     def proposer():
-        return PromptLookupProposer(8, fallback=DraftModelProposer(bad_draft))
+        return FallbackProposer(PromptLookupProposer(8), DraftModelProposer(bad_draft))
 
     batch = run_all(target, proposer(), [Request(p, c) for p, c in zip(prompts, cfgs)])
     for prompt, cfg, got in zip(prompts, cfgs, batch):
@@ -342,7 +342,7 @@ def test_first_step_plain_gives_the_first_token_from_the_prompt_read_alone_and_t
     config = DecodeConfig(max_new_tokens=30, sampling=SamplingParams(temperature=0), num_speculative_tokens=4)
     results = {}
     for plain_first in (False, True):
-        engine = Engine(target, PromptLookupProposer(8, fallback=DraftModelProposer(draft)),
+        engine = Engine(target, FallbackProposer(PromptLookupProposer(8), DraftModelProposer(draft)),
                         first_step_plain=plain_first)
         engine.add(Request([1, 2, 3, 1, 2], config))
         first = engine.step()[0]

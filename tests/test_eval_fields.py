@@ -12,7 +12,7 @@ from specdecode.engine.driver import run, run_all
 from specdecode.engine.request import DecodeConfig, Request
 from specdecode.models import HFCausalLM, TableModel
 from specdecode.processors import LogitBias, MinTokens
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams, adjust
 
 from helpers import PROMPT, chi2_pvalue, tiny_llama
@@ -64,7 +64,7 @@ AT_LEAST_2 = SamplingParams(min_tokens=2)
 
 @pytest.mark.parametrize("make_proposer", [
     lambda d: DraftModelProposer(d),
-    lambda d: PromptLookupProposer(4, max_ngram=2, min_ngram=1, fallback=DraftModelProposer(d)),
+    lambda d: FallbackProposer(PromptLookupProposer(4, max_ngram=2, min_ngram=1), DraftModelProposer(d)),
 ], ids=["draft", "lookup+draft"])
 @pytest.mark.parametrize("sampling, eos", [(BIASED, None), (AT_LEAST_2, EOS)], ids=["logit_bias", "min_tokens"])
 def test_sampling_matches_the_transformed_target_chi_square(sampling, eos, make_proposer):

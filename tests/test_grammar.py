@@ -14,7 +14,7 @@ from specdecode.engine.request import DecodeConfig
 from specdecode.grammar import GrammarCompiler, parse_response_format
 from specdecode.models import HFCausalLM, TableModel
 from specdecode.processors import build_pipeline
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams, adjust
 
 from helpers import chi2_pvalue, tiny_llama
@@ -92,7 +92,7 @@ def test_the_matcher_agrees_with_the_hand_written_grammar(table_grammar):
 
 @pytest.mark.parametrize("make_proposer", [
     lambda d: DraftModelProposer(d),
-    lambda d: PromptLookupProposer(5, max_ngram=2, min_ngram=1, fallback=DraftModelProposer(d)),
+    lambda d: FallbackProposer(PromptLookupProposer(5, max_ngram=2, min_ngram=1), DraftModelProposer(d)),
 ], ids=["draft", "lookup+draft"])
 def test_constrained_sampling_matches_the_masked_target_chi_square(table_grammar, make_proposer):
     # 3000 seeded runs at T = 1 (3 tokens); significance 1e-3. Sequences the grammar forbids have

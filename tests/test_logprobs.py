@@ -7,7 +7,7 @@ import torch
 from specdecode.engine.driver import run
 from specdecode.engine.request import DecodeConfig
 from specdecode.models import HFCausalLM
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 
 from helpers import PROMPT, decode, tiny_llama
@@ -27,8 +27,8 @@ def _config(sampling, k, top=5, **extra):
                          ids=["greedy", "sampled-t0.7", "greedy-penalized"])
 def test_logprobs_equal_a_plain_transformers_forward_with_and_without_speculation(llamas, sampling):
     target_model, draft_model = llamas
-    spec = run(HFCausalLM(target_model), PromptLookupProposer(96, fallback=DraftModelProposer(HFCausalLM(draft_model))),
-               PROMPT, _config(sampling, 4))
+    proposer = FallbackProposer(PromptLookupProposer(96), DraftModelProposer(HFCausalLM(draft_model)))
+    spec = run(HFCausalLM(target_model), proposer, PROMPT, _config(sampling, 4))
     assert spec.stats.num_accepted > 0
     with torch.no_grad():
         logits = target_model(torch.tensor([PROMPT + spec.token_ids])).logits[0].float()

@@ -14,7 +14,7 @@ from specdecode.engine.driver import run
 from specdecode.engine.request import DecodeConfig
 from specdecode.models import HFCausalLM, TableModel
 from specdecode.processors import LogitsPipeline, Penalties, ProcessorList, build_pipeline
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams, adjust
 
 from helpers import PROMPT, chi2_pvalue, tiny_llama
@@ -202,7 +202,7 @@ PENALIZED = SamplingParams(repetition_penalty=2.5, presence_penalty=1.5, frequen
 
 @pytest.mark.parametrize("make_proposer", [
     lambda d: DraftModelProposer(d),
-    lambda d: PromptLookupProposer(4, max_ngram=2, min_ngram=1, fallback=DraftModelProposer(d)),
+    lambda d: FallbackProposer(PromptLookupProposer(4, max_ngram=2, min_ngram=1), DraftModelProposer(d)),
 ], ids=["draft", "lookup+draft"])
 def test_penalized_sampling_matches_the_penalized_target_chi_square(make_proposer):
     # 3000 seeded runs (vocab 4, 3 tokens → 64 sequences); significance 1e-3

@@ -13,7 +13,7 @@ from specdecode import SamplingParams, SpeculativeDecoder
 from specdecode.engine.driver import run_all
 from specdecode.engine.request import DecodeConfig, Request
 from specdecode.models import Seq2SeqLM
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.sampling import adjust
 
 from helpers import MislabelledProposer, chi2_pvalue, decode, tiny_llama
@@ -374,7 +374,8 @@ def test_encoder_decoder_and_decoder_only_models_do_not_mix(seq2seq_dirs):
 def test_prompt_lookup_on_the_decoder_keeps_the_greedy_output(t5_pair):
     target, draft = t5_pair
     plain = run_seq2seq(Seq2SeqLM(target), None, greedy(40, 0))
-    proposer = PromptLookupProposer(VOCAB, max_ngram=2, min_ngram=1, fallback=DraftModelProposer(Seq2SeqLM(draft)))
+    proposer = FallbackProposer(PromptLookupProposer(VOCAB, max_ngram=2, min_ngram=1),
+                                DraftModelProposer(Seq2SeqLM(draft)))
     spec = run_seq2seq(Seq2SeqLM(target), proposer, greedy(40, 4))
     assert spec.token_ids == plain.token_ids
     assert spec.stats.num_lookup_steps > 0

@@ -10,7 +10,7 @@ import torch
 from specdecode.engine.driver import run_all
 from specdecode.engine.request import DecodeConfig, Request
 from specdecode.models import HFCausalLM, TableModel
-from specdecode.proposers import DraftModelProposer
+from specdecode.proposers import DraftModelProposer, FallbackProposer
 from specdecode.proposers.base import Draft
 from specdecode.proposers.suffix import SuffixIndex, SuffixProposer, continue_by_frequency
 from specdecode.sampling import SamplingParams
@@ -79,7 +79,7 @@ def test_suffix_drafts_keep_greedy_output_equal_to_plain_decoding_on_tiny_llamas
     target, draft = HFCausalLM(tiny_llama(0)), HFCausalLM(tiny_llama(1))
     prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8], [1, 2, 3, 4]]
     plain = [r.token_ids for r in run_all(target, None, [Request(p, DecodeConfig(24, GREEDY)) for p in prompts])]
-    proposer = SuffixProposer(target.vocab_size, fallback=DraftModelProposer(draft))
+    proposer = FallbackProposer(SuffixProposer(target.vocab_size), DraftModelProposer(draft))
     for _ in range(2):  # the second time, the first run's outputs are in the cache
         results = run_all(target, proposer, [Request(p, DecodeConfig(24, GREEDY, num_speculative_tokens=4))
                                              for p in prompts])
@@ -103,7 +103,7 @@ def suffix_pvalues(proposer_class, batches):
     target = TableModel(vocab, order=2, seed=20, sharpness=1.5)
     draft = TableModel(vocab, order=2, seed=21, sharpness=1.5)
     prompts = [[1, 2, 1, 2], [3, 0, 3], [0, 2, 1, 3, 0, 2]]
-    proposer = proposer_class(vocab, levels=(1, 2), share_seeded=True, fallback=DraftModelProposer(draft))
+    proposer = FallbackProposer(proposer_class(vocab, levels=(1, 2), share_seeded=True), DraftModelProposer(draft))
     counts, lookups = [Counter() for _ in prompts], 0
     for run_index in range(batches):
         configs = [DecodeConfig(length, SamplingParams(seed=3 * run_index + i), num_speculative_tokens=3)

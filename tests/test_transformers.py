@@ -8,7 +8,7 @@ from specdecode import SamplingParams
 from specdecode.engine.driver import run
 from specdecode.engine.request import DecodeConfig
 from specdecode.models import HFCausalLM
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 
 from helpers import PROMPT, VOCAB, greedy, single_row_logits, tiny_llama, tiny_mistral
 
@@ -48,7 +48,7 @@ def test_plain_greedy_equals_transformers_generate(pair):
 def test_lookup_with_vocab_limited_draft_keeps_greedy_output(pair):
     target, draft = pair
     plain = run(HFCausalLM(target), None, PROMPT, greedy(64))
-    proposer = PromptLookupProposer(VOCAB, fallback=DraftModelProposer(HFCausalLM(draft, vocab_limit=64), 0.3))
+    proposer = FallbackProposer(PromptLookupProposer(VOCAB), DraftModelProposer(HFCausalLM(draft, vocab_limit=64), 0.3))
     spec = run(HFCausalLM(target), proposer, PROMPT,
                DecodeConfig(max_new_tokens=64, sampling=SamplingParams(temperature=0), num_speculative_tokens=6))
     assert spec.token_ids == plain.token_ids

@@ -7,7 +7,7 @@ import torch
 from specdecode.engine.driver import run, run_all
 from specdecode.engine.request import DecodeConfig, Request
 from specdecode.models import HFCausalLM, TableModel
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 
 from helpers import PROMPT, chi2_pvalue, loop_sequence_counts, tiny_llama
@@ -40,8 +40,8 @@ class WrongSiblingQ(DraftModelProposer):
     (SamplingParams(), lambda d: DraftModelProposer(d, tree_width=2, tree_confidence=1.0)),
     pytest.param(SamplingParams(top_k=3), lambda d: DraftModelProposer(d, tree_width=3, tree_confidence=0.7),
                  marks=pytest.mark.slow),
-    pytest.param(SamplingParams(), lambda d: PromptLookupProposer(
-        4, max_ngram=2, min_ngram=1, fallback=DraftModelProposer(d, 0.5, tree_width=2, tree_confidence=1.0)),
+    pytest.param(SamplingParams(), lambda d: FallbackProposer(PromptLookupProposer(
+        4, max_ngram=2, min_ngram=1), DraftModelProposer(d, 0.5, tree_width=2, tree_confidence=1.0)),
         marks=pytest.mark.slow),
 ], ids=["width2-everywhere", "width3-uncertain-topk3", "lookup+tree-confidence-stop"])
 def test_tree_loop_matches_target_distribution_chi_square(params, make_proposer):

@@ -83,62 +83,48 @@ def proposer_reads(proposer) -> tuple[float, int]:
 
 
 class FreeDraftProposer:
-    """A proposer of free, deterministic drafts (one-hot q, no model) that hands the rows it has
-    nothing for to `fallback` (e.g. a DraftModelProposer) in one batched call. Subclasses find
-    the drafts: `find(b, row, k) -> list[int]` for row b (at most k tokens; [] for none).
+    """A proposer of free, deterministic drafts (one-hot q, no model). Subclasses find the
+    drafts: `find(b, row, k) -> list[int]` for row b (at most k tokens; [] for none, and then the
+    row gets an empty draft: a FallbackProposer hands it to a draft model).
 
-    The choice between its drafts and the fallback's is a function of what the proposer has seen,
-    never of the row's random draws, so every draft stays exact (paper §2.3).
+    Which rows get a draft is a function of what the proposer has seen, never of the rows' random
+    draws, so every draft stays exact (paper §2.3).
+
+    Args:
+        vocab_size: V, the width of the one-hot q.
+        device: where the drafts' tensors go (the target's logits' device).
     """
 
-    def __init__(self, vocab_size: int, fallback: Proposer | None = None):
-        self.vocab_size, self.fallback = vocab_size, fallback
-        self.max_rows = fallback.max_rows if fallback is not None else None
-        self.device = fallback.backend.device if fallback is not None and hasattr(fallback, "backend") \
-            else torch.device("cpu")
-        self._time_s = 0.0
+    max_rows = None
+    read_s = 0.0  # no model cache: nothing to read
+    read_tokens = 0
+
+    def __init__(self, vocab_size: int, device=None):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device if device is not None else "cpu")
+        self.time_s = 0.0
 
     def find(self, b: int, row: DraftRow, k: int) -> list[int]:
         raise NotImplementedError
 
-    @property
-    def time_s(self) -> float:
-        return self._time_s + (self.fallback.time_s if self.fallback is not None else 0.0)
-
-    @property
-    def read_s(self) -> float:
-        return self.fallback.read_s if self.fallback is not None else 0.0
-
-    @property
-    def read_tokens(self) -> int:
-        return self.fallback.read_tokens if self.fallback is not None else 0
-
-    def unread(self) -> list[int] | None:
-        return self.fallback.unread() if self.fallback is not None and hasattr(self.fallback, "unread") else None
-
     def add_row(self, prompt_ids: Sequence[int], encoder_input_ids: Sequence[int] | None = None) -> None:
-        if self.fallback is not None:
-            self.fallback.add_row(prompt_ids, encoder_input_ids)
+        pass
 
     def select(self, rows: list[int]) -> None:
-        if self.fallback is not None:
-            self.fallback.select(rows)
+        pass
 
     def propose(self, rows: Sequence[DraftRow], ks: list[int]) -> list[Draft]:
         start = time.perf_counter()
-        found = [self.find(b, row, k) if k > 0 else [] for b, (row, k) in enumerate(zip(rows, ks))]
-        drafts: list[Draft | None] = [None] * len(rows)
-        for b, ids in enumerate(found):
+        drafts = []
+        for b, (row, k) in enumerate(zip(rows, ks)):
+            ids = self.find(b, row, k) if k > 0 else []
             if ids:
                 tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
-                drafts[b] = Draft(tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float(), lookup=True)
-        self._time_s += time.perf_counter() - start
-        if self.fallback is not None:
-            rest = self.fallback.propose(rows, [0 if ids else k for ids, k in zip(found, ks)])
-        else:
-            rest = [no_draft(self.vocab_size, self.device)] * len(rows)
-        return [d if d is not None else r for d, r in zip(drafts, rest)]
+                drafts.append(Draft(tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float(), lookup=True))
+            else:
+                drafts.append(no_draft(self.vocab_size, self.device))
+        self.time_s += time.perf_counter() - start
+        return drafts
 
     def commit(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
-        if self.fallback is not None:
-            self.fallback.commit(num_accepted, new_tokens)
+        pass

@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 
+from specdecode.proposers import tree
 from specdecode.proposers.base import Draft, DraftRow, no_draft
 from specdecode.sampling import adjust, sample
 
@@ -202,7 +203,11 @@ class DraftModelProposer:
         p.probs.append(q)
         p.unfed.append(token)
         if p.tree and confidence < self.tree_confidence:
-            self._branch(row, scores, q, token, p.tokens, p.probs, p.parents)
+            parent = p.parents[-1]  # the chain token's: its siblings share it
+            for sibling, sibling_q in tree.siblings(scores, q, token, self.tree_width, row.sampling, row.generator):
+                p.tokens.append(sibling)
+                p.probs.append(sibling_q)
+                p.parents.append(parent)
         if self.confidence_threshold and j + 1 < p.k and confidence < self.confidence_threshold:
             p.k = j + 1
 
@@ -218,31 +223,6 @@ class DraftModelProposer:
             return no_draft(self.backend.vocab_size, self.backend.device)
         return Draft(torch.tensor(p.tokens, dtype=torch.long, device=self.backend.device), torch.stack(p.probs),
                      forwards=p.forwards, parents=tuple(p.parents) if p.tree else None)
-
-    def _branch(self, row: DraftRow, logits: torch.Tensor, q: torch.Tensor, token: int, tokens: list[int],
-                probs: list[torch.Tensor], parents: list[int]) -> None:
-        """Append up to tree_width − 1 siblings of the chain token just drafted (the last node)."""
-        parent = parents[-1]
-        if row.sampling.greedy:
-            # deterministic: the draft's next-best ids, each with a one-hot q
-            order = logits.topk(min(self.tree_width, logits.shape[-1])).indices.tolist()
-            for sibling in [t for t in order if t != token][:self.tree_width - 1]:
-                tokens.append(sibling)
-                probs.append(torch.nn.functional.one_hot(torch.tensor(sibling, device=q.device), q.shape[-1]).to(q.dtype))
-                parents.append(parent)
-            return
-        remaining = q.clone()
-        for _ in range(self.tree_width - 1):
-            # without replacement: drop what was drawn, renormalize; each sibling keeps its own q
-            remaining = remaining.clone()  # the previous sibling keeps its own q
-            remaining[tokens[-1]] = 0.0
-            mass = float(remaining.sum())
-            if mass <= 0:
-                return
-            remaining = remaining / mass
-            tokens.append(int(sample(remaining, row.generator)))
-            probs.append(remaining)
-            parents.append(parent)
 
     def unread(self) -> list[int]:
         """Per row, the committed tokens its cache has not read (a row that never drafted: all)."""

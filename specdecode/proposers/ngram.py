@@ -1,17 +1,15 @@
-"""Trivial drafts (paper §3.6): unigram and bigram token models, and the uniform distribution.
-They cost a table lookup (c ≈ 0), so even their small α gives a speedup: a bigram with α = 0.2
-at γ = 3 predicts 1 + 0.2 + 0.04 + 0.008 ≈ 1.25X (paper §3.6)."""
+"""Trivial drafts (paper §3.6): unigram and bigram token models. They cost a table lookup (c ≈ 0),
+so even a small α gives a speedup in the paper's model (a bigram with α = 0.2 at γ = 3:
+1 + 0.2 + 0.04 + 0.008 ≈ 1.25X). Fitted on the text a run has at hand, their α measured 0.00-0.21
+(docs/REPRODUCTION.md), so `specdecode alpha` measures them beside the draft model; the library's
+free drafts are prompt lookup and suffix drafts."""
 
 from __future__ import annotations
 
-import time
 from collections import Counter, defaultdict
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import torch
-
-from specdecode.proposers.base import Draft, DraftRow, no_draft
-from specdecode.sampling import SamplingParams, adjust, sample
 
 
 class NGramModel:
@@ -75,47 +73,3 @@ class NGramModel:
         ids = torch.tensor(list(following.keys()), dtype=torch.long)
         q = q.index_add(0, ids, torch.tensor(list(following.values()), dtype=torch.float32))
         return q / (sum(following.values()) + self.prior)
-
-
-class NGramProposer:
-    """Drafts k tokens per row from an NGramModel, each conditioned on the token before it (c ≈ 0).
-
-    q is the model's distribution after the row's adjustment (temperature, top-k, top-p,
-    greedy as one-hot: DESIGN.md rule 1), applied to log q as logits. Stateless per row: the
-    context is the row's last committed token.
-    """
-
-    max_rows = None
-
-    def __init__(self, model: NGramModel):
-        self.model = model
-        self.time_s = self.read_s = 0.0
-        self.read_tokens = 0  # no model cache: nothing to read
-
-    def add_row(self, prompt_ids, encoder_input_ids=None) -> None:
-        pass
-
-    def select(self, rows: list[int]) -> None:
-        pass
-
-    def q(self, previous: int | None, sampling: SamplingParams) -> torch.Tensor:
-        """The adjusted proposal distribution after `previous`: [V] float32."""
-        return adjust(self.model.probs(previous).log(), sampling)
-
-    def propose(self, rows: Sequence[DraftRow], ks: list[int]) -> list[Draft]:
-        start = time.perf_counter()
-        drafts = []
-        for row, k in zip(rows, ks):
-            tokens, probs, previous = [], [], row.tokens[-1]
-            for _ in range(k):
-                q = self.q(previous, row.sampling)
-                previous = int(q.argmax()) if row.sampling.greedy else int(sample(q, row.generator))
-                tokens.append(previous)
-                probs.append(q)
-            drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs)) if tokens
-                          else no_draft(self.model.vocab_size, "cpu"))
-        self.time_s += time.perf_counter() - start
-        return drafts
-
-    def commit(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
-        pass

@@ -4,7 +4,7 @@ strong wherever the output repeats the prompt or itself (code, edits, extraction
 
 from __future__ import annotations
 
-from specdecode.proposers.base import DraftRow, FreeDraftProposer, Proposer
+from specdecode.proposers.base import DraftRow, FreeDraftProposer
 
 
 def lookup(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int = 2) -> list[int]:
@@ -19,24 +19,24 @@ def lookup(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int = 2) ->
 
 
 class PromptLookupProposer(FreeDraftProposer):
-    """Drafts by n-gram lookup in each row's committed sequence; rows without a match ask
-    `fallback` (in one batched call).
+    """Drafts by n-gram lookup in each row's committed sequence; a row without a match gets an
+    empty draft (FallbackProposer hands it to a draft model).
 
-    The choice between lookup and fallback is a function of the row's committed tokens alone, so
-    a row drafts (and draws from its generator) exactly as it would alone (rule 7).
+    The choice is a function of the row's committed tokens alone, so a row drafts (and draws from
+    its generator) exactly as it would alone (rule 7).
 
     Args:
         vocab_size: width V of the one-hot q it returns.
         max_ngram, min_ngram: the n-gram sizes tried, longest first (1 <= min <= max).
-        fallback: a proposer (e.g. DraftModelProposer) for rows without a match, or None to
-            propose nothing then (plain decoding for that row and step).
+        device: where the drafts' tensors go (default the CPU).
+    Raises:
+        ValueError: min_ngram or max_ngram out of range.
     """
 
-    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 2,
-                 fallback: Proposer | None = None):
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 2, device=None):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        super().__init__(vocab_size, fallback)
+        super().__init__(vocab_size, device)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def find(self, b: int, row: DraftRow, k: int) -> list[int]:

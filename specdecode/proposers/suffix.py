@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from typing import Sequence
 
-from specdecode.proposers.base import DraftRow, FreeDraftProposer, Proposer
+from specdecode.proposers.base import DraftRow, FreeDraftProposer
 
 
 class SuffixIndex:
@@ -96,8 +96,8 @@ def continue_by_frequency(occurrences: list[tuple[list[int], int]], k: int, min_
 
 
 class SuffixProposer(FreeDraftProposer):
-    """Drafts from suffix matches in each row's own tokens and in earlier requests' sequences;
-    rows without a match ask `fallback` (in one batched call).
+    """Drafts from suffix matches in each row's own tokens and in earlier requests' sequences; a
+    row without a match gets an empty draft (FallbackProposer hands it to a draft model).
 
     Args:
         vocab_size: width V of the one-hot q it returns.
@@ -109,13 +109,13 @@ class SuffixProposer(FreeDraftProposer):
         cache_tokens: tokens of earlier requests kept (least recently used dropped); 0: none.
         share_seeded: seeded sampled requests draft from earlier requests too (still exact in
             distribution, but a seed's output then depends on what the engine decoded before).
-        fallback: a proposer (e.g. DraftModelProposer) for rows without a match, or None.
+        device: where the drafts' tensors go (default the CPU).
     """
 
     def __init__(self, vocab_size: int, levels: tuple[int, ...] = (2, 4, 8), min_prob: float = 0.1,
                  max_spec_factor: float = 2.0, cache_tokens: int = 100_000, share_seeded: bool = False,
-                 fallback: Proposer | None = None):
-        super().__init__(vocab_size, fallback)
+                 device=None):
+        super().__init__(vocab_size, device)
         self.min_prob, self.max_spec_factor = min_prob, max_spec_factor
         self.levels = tuple(sorted(set(levels), reverse=True))
         self.cache_tokens, self.share_seeded = cache_tokens, share_seeded
@@ -128,7 +128,6 @@ class SuffixProposer(FreeDraftProposer):
         own = SuffixIndex(self.levels)
         own.append(0, list(prompt_ids))
         self._rows.append((self._new_id(), own))
-        super().add_row(prompt_ids, encoder_input_ids)
 
     def select(self, rows: list[int]) -> None:
         kept = set(rows)
@@ -136,12 +135,10 @@ class SuffixProposer(FreeDraftProposer):
             if b not in kept:  # finished or aborted: its tokens serve later requests
                 self._remember(row_id, own.sequences[0])
         self._rows = [self._rows[b] for b in rows]
-        super().select(rows)
 
     def commit(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
         for (_, own), new in zip(self._rows, new_tokens):
             own.append(0, new)
-        super().commit(num_accepted, new_tokens)
 
     def find(self, b: int, row: DraftRow, k: int) -> list[int]:
         """The most frequent continuation of the longest level that matches the row's last tokens."""
