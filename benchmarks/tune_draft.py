@@ -22,7 +22,7 @@ from specdecode.measure.bench import (
 from specdecode.measure.data import load_prompts
 from specdecode.models import HFCausalLM
 from specdecode.models.quant import prepare_draft
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.measure.report import environment, fmt, markdown_table, write
 from specdecode.measure.timing import measure_costs
 
@@ -44,7 +44,7 @@ prompts = [("code", decoder.encode(p.text, chat=False)) for p in load_prompts("c
 
 def ours(kind, gamma, schedule, confidence):
     def make():
-        return PromptLookupProposer(target.vocab_size, fallback=DraftModelProposer(backends[kind], confidence))
+        return FallbackProposer(PromptLookupProposer(target.vocab_size), DraftModelProposer(backends[kind], confidence))
     guard_costs = costs[kind]["c"], max(costs[kind]["r"][gamma + 1] - 1, 0) / gamma
     return _our_runner(target, make, gamma, NEW_TOKENS, greedy, guard_costs, gamma_schedule=schedule)
 
