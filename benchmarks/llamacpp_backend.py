@@ -1,0 +1,427 @@
+"""llama.cpp under the engine, side by side with llama.cpp's own plain decoding, in one process:
+
+- raw:  llama.cpp's plain greedy decoding through llama-cpp-python's low-level API (the baseline:
+        one llama_decode per token, argmax of its logits), in a context of its own;
+- plain: our engine with the llama.cpp backend (specdecode.models.llamacpp), no drafts;
+- spec:  our engine, llama.cpp target and llama.cpp draft model, γ drafts per step.
+
+Greedy, equal token counts (EOS ignored), on HumanEval prompts (raw completion) and Spec-Bench
+questions (through the chat template), one request at a time, the three interleaved per prompt.
+Reported: medians over prompts of tokens/s and time to first token, whether raw, plain and spec
+emitted the same tokens, and the target's costs, raw and through the backend: one-token step,
+r(k) = a k-token llama_decode (logits at all k) over one step, prompt read per token.
+
+    python benchmarks/llamacpp_backend.py --tiny /tmp/tiny --out /tmp/llamacpp_tiny   # random tiny GGUFs
+    python benchmarks/llamacpp_backend.py --out docs/llamacpp_backend                 # the zoo pair, Q4_K_M
+    python benchmarks/llamacpp_backend.py --target-bf16 --out docs/llamacpp_bf16      # the target's bf16 weights
+    python benchmarks/llamacpp_backend.py --costs-only --target-bf16                  # step and r(k) only
+
+--out PATH writes PATH.json and PATH.md. --tiny DIR builds (once) a random 2-layer Qwen2-architecture
+pair with a byte-level BPE tokenizer in DIR (tests/test_llamacpp.py uses the same builder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# --- a tiny GGUF pair, written with the gguf package ---------------------------------------------------
+
+TINY_CORPUS = ("def add(a, b):\n    return a + b\n\nThe quick brown fox jumps over the lazy dog. "
+               "print('hello world')\nfor i in range(10):\n    print(i)\n") * 4
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def tiny_vocabulary(size: int = 320) -> tuple[list[str], list[str]]:
+    """(tokens, merges) of a byte-level BPE trained on a few lines of code and prose: the 256 byte
+    symbols, merges up to `size` ids, then the ChatML special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=size - len(TINY_SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([TINY_CORPUS], trainer)
+    model = json.loads(tokenizer.to_str())["model"]
+    tokens = [token for token, _ in sorted(model["vocab"].items(), key=lambda item: item[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens + TINY_SPECIALS, merges
+
+
+def tiny_qwen2(seed: int, vocab: int, layers: int = 2, hidden: int = 64, head_scale: float = 3.0):
+    """A random float32 Qwen2ForCausalLM (4 heads, 2 KV heads, biases on q/k/v) whose logits have
+    a spread of about head_scale (peaked enough that greedy decoding rarely meets a near-tie)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if weight.dim() == 2:
+                weight.normal_(0, (head_scale if name == "lm_head.weight" else 1.0) / weight.shape[1] ** 0.5)
+            elif name.endswith("bias"):
+                weight.normal_(0, 0.1)
+            else:  # norms
+                weight.copy_(1 + 0.1 * torch.randn_like(weight))
+    return model
+
+
+def write_gguf(model, tokens: list[str], merges: list[str], path: Path) -> None:
+    """A Qwen2ForCausalLM and its byte-level BPE vocabulary as an F32 GGUF file (llama.cpp's
+    tensor names; qwen2's rotary layout needs no permutation), with a ChatML template."""
+    import gguf
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in TINY_SPECIALS else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, config.num_hidden_layers)
+    for name, weight in model.state_dict().items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), weight.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def build_tiny(root: Path, vocab: int = 320) -> dict[str, Path]:
+    """{"target", "draft"}: F32 GGUF files in root, written once. The draft is the target with
+    every weight perturbed by noise (a tenth of its spread), so it agrees with the target
+    often but not always."""
+    root = Path(root)
+    paths = {name: root / f"tiny-{name}-f32.gguf" for name in ("target", "draft")}
+    if all(path.is_file() for path in paths.values()):
+        return paths
+    root.mkdir(parents=True, exist_ok=True)
+    tokens, merges = tiny_vocabulary(vocab)
+    target = tiny_qwen2(0, len(tokens))
+    draft = tiny_qwen2(0, len(tokens))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for weight in draft.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * 0.1 * weight.std().clamp(min=0.05))
+    for name, model in (("target", target), ("draft", draft)):
+        partial = paths[name].with_suffix(".partial")
+        write_gguf(model, tokens, merges, partial)
+        partial.replace(paths[name])
+    return paths
+
+
+# --- llama.cpp's own plain decoding (the baseline) ------------------------------------------------------
+
+class RawLlama:
+    """A model and a one-sequence context, driven the way llama.cpp's simple example does."""
+
+    def __init__(self, path: Path, n_ctx: int, threads: int):
+        from specdecode.models.llamacpp import library
+
+        lib = self.lib = library()
+        model_params = lib.llama_model_default_params()
+        self.model = lib.llama_model_load_from_file(str(path).encode(), model_params)
+        params = lib.llama_context_default_params()
+        params.n_ctx, params.n_batch = n_ctx, 2048
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = lib.llama_init_from_model(self.model, params)
+        if not self.model or not self.ctx:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        self.batch = lib.llama_batch_init(64, 0, 1)
+
+    def decode(self, ids: list[int], first: int, logits: str = "last") -> None:
+        """ids at positions first.. in sequence 0; logits at the last token or at all of them."""
+        if logits == "last" and len(ids) > 64:
+            array = (self.lib.llama_token * len(ids))(*ids)
+            code = self.lib.llama_decode(self.ctx, self.lib.llama_batch_get_one(array, len(ids)))
+        else:
+            batch = self.batch
+            for i, token in enumerate(ids):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, first + i, 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = logits == "all" or i == len(ids) - 1
+            batch.n_tokens = len(ids)
+            code = self.lib.llama_decode(self.ctx, batch)
+        if code != 0:
+            raise RuntimeError(f"llama_decode returned {code}")
+
+    def last_argmax(self) -> int:
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, -1), shape=(self.vocab,))
+        return int(logits.argmax())
+
+    def rollback(self, length: int) -> None:
+        if not self.lib.llama_memory_seq_rm(self.memory, 0, length, -1):
+            raise RuntimeError("llama_memory_seq_rm failed")
+
+    def greedy(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float]:
+        """(tokens, seconds to the first token, seconds in all)."""
+        self.lib.llama_memory_clear(self.memory, True)
+        start = time.perf_counter()
+        self.decode(prompt, 0)
+        tokens = [self.last_argmax()]
+        first = time.perf_counter() - start
+        while len(tokens) < new_tokens:
+            self.decode(tokens[-1:], len(prompt) + len(tokens) - 1)
+            tokens.append(self.last_argmax())
+        return tokens, first, time.perf_counter() - start
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+        self.lib.llama_model_free(self.model)
+
+
+# --- measurements ---------------------------------------------------------------------------------------
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def costs(raw: RawLlama, backend, prompt: list[int], ks: list[int], repeats: int) -> dict:
+    """The target's step (ms), r(k) and prompt read (ms per token), raw and through the backend,
+    after reading `prompt`; every k-token call asks logits at all k and is rolled back."""
+    n = len(prompt)
+    out = {"prompt_tokens": n}
+    raw.lib.llama_memory_clear(raw.memory, True)
+    out["raw_read_ms_per_token"] = 1e3 * median_time(lambda: (raw.rollback(0), raw.decode(prompt, 0)), 3) / n
+    backend.reset()
+    backend.add_row()
+
+    def read():
+        backend.truncate([0])
+        backend.fill(0, prompt)
+    out["backend_read_ms_per_token"] = 1e3 * median_time(read, 3) / n
+    token = prompt[-1]
+    for label, run in (("raw", lambda k: (raw.decode([token] * k, n, "all"), raw.rollback(n))),
+                       ("backend", lambda k: (backend.forward([[token] * k], k), backend.truncate([n])))):
+        run(1)  # warm
+        step = median_time(lambda: run(1), repeats)
+        out[f"{label}_step_ms"] = 1e3 * step
+        out[f"{label}_r"] = {k: median_time(lambda: run(k), repeats) / step for k in ks}
+    return out
+
+
+def run_engine(driver, request) -> tuple[list[int], float, float, object]:
+    """(tokens, seconds to the first token, seconds in all, stats) of one request."""
+    start = time.perf_counter()
+    request_id = driver.submit(request, keep_events=True)
+    first = None
+    events = driver.stream(request_id)
+    while True:
+        try:
+            next(events)
+        except StopIteration as stop:
+            result = stop.value
+            break
+        if first is None:
+            first = time.perf_counter() - start
+    return list(result.token_ids), first, time.perf_counter() - start, result.stats
+
+
+def prompts_for(tokenizer, code: int, questions: int, max_tokens: int) -> list[tuple[str, list[int]]]:
+    """[(id, token ids)]: HumanEval prompts raw, Spec-Bench questions through the chat template."""
+    from specdecode.measure.data import load_prompts
+
+    chosen = load_prompts("code", code) if code else []
+    tasks = ["qa", "summarization", "math_reasoning", "writing"]
+    per_task = {task: load_prompts(task, questions) for task in tasks}
+    chosen += [per_task[tasks[i % len(tasks)]][i // len(tasks)] for i in range(questions)]
+    out = []
+    for prompt in chosen:
+        text = prompt.text
+        if prompt.chat and getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+        out.append((prompt.id, tokenizer(text, add_special_tokens=False).input_ids[-max_tokens:]))
+    return out
+
+
+def resolve(spec: str, bf16: bool, progress) -> Path:
+    """A zoo name or a GGUF path → the GGUF file (converted to BF16 first when asked)."""
+    from specdecode.models import zoo
+    from specdecode.models.llamacpp import bf16_gguf
+
+    if spec in zoo.ZOO:
+        info = zoo.ZOO[spec]
+        path = zoo.packaged_gguf(info) if info.package_file else zoo.assemble_gguf(info, progress)
+    else:
+        path = Path(spec)
+    return bf16_gguf(path, progress) if bf16 else path
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# llama.cpp under the engine: {report['target']}", "",
+             f"Date: {report['date']}. CPU: {report['cpu']['cpu']}; torch capability {report['cpu']['capability']}, "
+             f"flags {' '.join(report['cpu']['flags'])}; {report['threads']} threads.", "",
+             f"llama.cpp: `{report['llama_system_info']}`", "",
+             f"Command: `{report['command']}`", ""]
+    if report.get("decoding"):
+        d = report["decoding"]
+        lines += [f"Greedy, {d['new_tokens']} new tokens per prompt (EOS ignored), γ = {d['gamma']}, draft "
+                  f"{report['draft']}; medians over {len(d['prompts'])} prompts.", "",
+                  "| decoding | tokens/s | time to first token (s) | vs raw |", "|---|---|---|---|"]
+        for name in ("raw", "plain", "spec"):
+            lines.append(f"| {name} | {d['median_tokens_per_s'][name]:.2f} | {d['median_ttft_s'][name]:.3f} | "
+                         f"{d['median_speedup_vs_raw'][name]:.2f} |")
+        lines += ["", f"Same tokens: plain = raw on {d['plain_equals_raw']}/{len(d['prompts'])} prompts, "
+                  f"spec = plain on {d['spec_equals_plain']}/{len(d['prompts'])}. Spec: "
+                  f"{d['spec_tokens_per_call']:.2f} tokens per target call, acceptance {d['spec_acceptance']:.2f}.",
+                  "", "| prompt | prompt tokens | raw tok/s | plain tok/s | spec tok/s | tokens per call |",
+                  "|---|---|---|---|---|---|"]
+        for p in d["prompts"]:
+            lines.append(f"| {p['id']} | {p['prompt_tokens']} | {p['raw']['tokens_per_s']:.2f} | "
+                         f"{p['plain']['tokens_per_s']:.2f} | {p['spec']['tokens_per_s']:.2f} | "
+                         f"{p['spec']['tokens_per_call']:.2f} |")
+        lines.append("")
+    if report.get("costs"):
+        c = report["costs"]
+        ks = list(c["raw_r"])
+        lines += [f"Target costs after a {c['prompt_tokens']}-token prompt (medians): one-token step, r(k) = a "
+                  "k-token call with k logits over one step, prompt read per token.", "",
+                  "| path | step (ms) | " + " | ".join(f"r({k})" for k in ks) + " | read (ms/token) |",
+                  "|---|---|" + "---|" * len(ks) + "---|"]
+        for label in ("raw", "backend"):
+            lines.append(f"| {label} | {c[f'{label}_step_ms']:.1f} | "
+                         + " | ".join(f"{c[f'{label}_r'][k]:.2f}" for k in ks)
+                         + f" | {c[f'{label}_read_ms_per_token']:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    from specdecode.engine.driver import Driver
+    from specdecode.engine.engine import Engine
+    from specdecode.engine.request import DecodeConfig, Request
+    from specdecode.measure.hardware import cpu_report
+    from specdecode.models.llamacpp import load_gguf, system_info
+    from specdecode.models.zoo import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specdecode.proposers import DraftModelProposer
+    from specdecode.sampling import SamplingParams
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="zoo name or GGUF path")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="zoo name or GGUF path")
+    parser.add_argument("--target-bf16", action="store_true", help="convert the target to BF16 first (cached)")
+    parser.add_argument("--tiny", metavar="DIR", help="build random tiny GGUFs in DIR and use them")
+    parser.add_argument("--code", type=int, default=4, help="HumanEval prompts")
+    parser.add_argument("--questions", type=int, default=4, help="Spec-Bench questions")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=None, help="default: torch's thread count")
+    parser.add_argument("--n-ctx", type=int, default=4096)
+    parser.add_argument("--ks", default="2,3,4,5,6,7,8,9,16", help="k of r(k)")
+    parser.add_argument("--repeats", type=int, default=7, help="timings per cost median")
+    parser.add_argument("--costs-only", action="store_true", help="step and r(k) only, no decoding")
+    parser.add_argument("--out", help="write OUT.json and OUT.md")
+    args = parser.parse_args()
+    progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    threads = args.threads or torch.get_num_threads()
+    if args.tiny:
+        tiny = build_tiny(Path(args.tiny))
+        target_path, draft_path = tiny["target"], tiny["draft"]
+        args.max_prompt_tokens = min(args.max_prompt_tokens, 200)
+    else:
+        target_path = resolve(args.target, args.target_bf16, progress)
+        draft_path = None if args.costs_only else resolve(args.draft, False, progress)
+    options = dict(n_ctx=args.n_ctx, n_threads=threads, max_rows=2)
+    target, tokenizer = load_gguf(target_path, **options)
+    raw = RawLlama(target_path, args.n_ctx, threads)
+    prompts = prompts_for(tokenizer, args.code, args.questions, args.max_prompt_tokens)
+    report = {"target": target_path.name, "draft": draft_path.name if draft_path else None,
+              "date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", "cpu": cpu_report(),
+              "capability": torch.backends.cpu.get_cpu_capability(), "threads": threads,
+              "llama_system_info": system_info(), "platform": platform.platform(),
+              "command": "python benchmarks/llamacpp_backend.py " + " ".join(sys.argv[1:])}
+    progress(f"CPU capability {report['capability']}, flags {' '.join(report['cpu']['flags'])}")
+    progress(f"llama.cpp: {report['llama_system_info']}")
+    ks = [int(k) for k in args.ks.split(",")]
+    progress("timing the target's step and r(k)")
+    report["costs"] = costs(raw, target, prompts[0][1], ks, args.repeats)
+    if not args.costs_only:
+        draft, _ = load_gguf(draft_path, **options)
+        sampling = SamplingParams(temperature=0, ignore_eos=True)
+        plain = Driver(Engine(target, None, tokenizer))
+        spec = Driver(Engine(target, DraftModelProposer(draft), tokenizer))
+        config = {"plain": DecodeConfig(args.new_tokens, sampling, 0),
+                  "spec": DecodeConfig(args.new_tokens, sampling, args.gamma)}
+        warm = prompts[0][1][:16]
+        raw.greedy(warm, 4)
+        for name, driver in (("plain", plain), ("spec", spec)):
+            run_engine(driver, Request(warm, config[name]))
+        rows = []
+        for index, (prompt_id, ids) in enumerate(prompts):
+            row = {"id": prompt_id, "prompt_tokens": len(ids)}
+            tokens, first, seconds = raw.greedy(ids, args.new_tokens)
+            outputs = {"raw": tokens}
+            row["raw"] = {"tokens_per_s": len(tokens) / seconds, "ttft_s": first}
+            for name, driver in (("plain", plain), ("spec", spec)):
+                tokens, first, seconds, stats = run_engine(driver, Request(ids, config[name]))
+                outputs[name] = tokens
+                row[name] = {"tokens_per_s": len(tokens) / seconds, "ttft_s": first,
+                             "tokens_per_call": len(tokens) / stats.num_target_calls,
+                             "drafted": stats.num_drafted, "accepted": stats.num_accepted}
+            row["plain_equals_raw"] = outputs["plain"] == outputs["raw"]
+            row["spec_equals_plain"] = outputs["spec"] == outputs["plain"]
+            rows.append(row)
+            progress(f"prompt {index + 1}/{len(prompts)}: raw {row['raw']['tokens_per_s']:.1f}, plain "
+                     f"{row['plain']['tokens_per_s']:.1f}, spec {row['spec']['tokens_per_s']:.1f} tokens/s")
+        names = ("raw", "plain", "spec")
+        drafted = sum(r["spec"]["drafted"] for r in rows)
+        report["decoding"] = {
+            "new_tokens": args.new_tokens, "gamma": args.gamma, "prompts": rows,
+            "median_tokens_per_s": {n: statistics.median(r[n]["tokens_per_s"] for r in rows) for n in names},
+            "median_ttft_s": {n: statistics.median(r[n]["ttft_s"] for r in rows) for n in names},
+            "median_speedup_vs_raw": {n: statistics.median(r[n]["tokens_per_s"] / r["raw"]["tokens_per_s"]
+                                                           for r in rows) for n in names},
+            "plain_equals_raw": sum(r["plain_equals_raw"] for r in rows),
+            "spec_equals_plain": sum(r["spec_equals_plain"] for r in rows),
+            "spec_tokens_per_call": statistics.median(r["spec"]["tokens_per_call"] for r in rows),
+            "spec_acceptance": sum(r["spec"]["accepted"] for r in rows) / drafted if drafted else 0.0}
+    raw.close()
+    text = markdown(report)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out + ".json").write_text(json.dumps(report, indent=1, default=str))
+        Path(args.out + ".md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
