@@ -61,16 +61,25 @@ def acceptance_probs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     return torch.where(valid, ratio.clamp(max=1.0), 0.0)
 
 
-def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p − q)) per token id (paper §2.3, Algorithm 1 step 4).
+def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                          weight: torch.Tensor | float | None = None) -> torch.Tensor:
+    """norm(max(0, w·p − q)) per token id: where the replacement token is drawn after a rejection
+    (paper §2.3, Algorithm 1 step 4: w = 1), or after block verification keeps i drafts (w = w_i,
+    see the block section below).
 
     Args:
         target_probs: [..., V] float32, p.   draft_probs: [..., V_draft] float32, q.
+        weight: None (w = 1), or [...] float (or a number), w in [0, 1].
     Returns:
-        [..., V] float32, normalized. Where p − q has no positive mass (p = q up to rounding,
-        when a rejection has probability 0 anyway) it falls back to p, so it is never NaN.
+        [..., V] float32, normalized. Where w·p − q has no positive mass (p = q up to rounding,
+        when a rejection, or a stop there, has probability 0 anyway) it falls back to p, so it
+        is never NaN.
     """
-    residual = (target_probs - match_vocab(draft_probs, target_probs.shape[-1])).clamp(min=0.0)
+    scaled = target_probs
+    if weight is not None:
+        scaled = torch.as_tensor(weight, dtype=target_probs.dtype, device=target_probs.device).unsqueeze(-1) \
+            * target_probs
+    residual = (scaled - match_vocab(draft_probs, target_probs.shape[-1])).clamp(min=0.0)
     mass = residual.sum(-1, keepdim=True)
     return torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), target_probs)
 
@@ -214,22 +223,6 @@ def block_acceptance_probs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
     return torch.cat([inner, weights[:, k:k + 1] if k else weights[:, :0]], 1), weights
 
 
-def block_residual(target_probs: torch.Tensor, draft_probs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, w · p − q)): where block verification draws after keeping i drafts, with w = w_i.
-
-    Args:
-        target_probs: [..., V] float32, p at the position after the kept drafts.
-        draft_probs:  [..., V_draft] float32, q there.   weight: [...] float, w_i in [0, 1].
-    Returns:
-        [..., V] float32, normalized; falls back to p where the residual has no mass (then
-        stopping there has probability 0), so it is never NaN.
-    """
-    weight = torch.as_tensor(weight, dtype=target_probs.dtype, device=target_probs.device).unsqueeze(-1)
-    residual = (weight * target_probs - match_vocab(draft_probs, target_probs.shape[-1])).clamp(min=0.0)
-    mass = residual.sum(-1, keepdim=True)
-    return torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), target_probs)
-
-
 def block_step(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
                generator: torch.Generator | None = None, lenience: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep a prefix of the draft chosen by verifying the block jointly (Sun et al. 2024, Alg. 2).
@@ -265,7 +258,7 @@ def block_step(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_pro
     q_ext = torch.nn.functional.pad(match_vocab(draft_probs, target_probs.shape[-1]), (0, 0, 0, 1))
     rows = torch.arange(batch, device=draft_tokens.device)
     w_n = torch.where(num_accepted == k, 1.0, weights[rows, num_accepted])
-    next_probs = block_residual(target_probs[rows, num_accepted], q_ext[rows, num_accepted], w_n)
+    next_probs = residual_distribution(target_probs[rows, num_accepted], q_ext[rows, num_accepted], w_n)
     next_token = torch.multinomial(next_probs, 1, generator=generator).squeeze(-1)
     return num_accepted, next_token
 

@@ -3,7 +3,7 @@ the emitted tokens follow the target exactly, and never fewer drafts are kept in
 token by token (paper §2.3's rule).
 
 The exact checks enumerate every draft block and every outcome, using the rule's public pieces
-(block_acceptance_probs, block_residual) and the backward scan that defines τ; a Monte Carlo
+(block_acceptance_probs, residual_distribution with a weight) and the backward scan that defines τ; a Monte Carlo
 chi-square then checks that block_step samples exactly that scan."""
 
 import itertools
@@ -17,7 +17,7 @@ from specdecode.engine.request import DecodeConfig
 from specdecode.models import HFCausalLM, TableModel
 from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams, adjust
-from specdecode.verify import (acceptance_probs, block_acceptance_probs, block_residual, block_step,
+from specdecode.verify import (acceptance_probs, block_acceptance_probs, block_step, residual_distribution,
                                speculative_step)
 
 from helpers import (PROMPT, MislabelledProposer, chi2_pvalue, loop_sequence_counts, random_probs,
@@ -37,7 +37,7 @@ def stop_distribution(stop_probs):
     return out
 
 
-def block_outcomes(drafts, q, p, residual=block_residual, stops=None):
+def block_outcomes(drafts, q, p, residual=residual_distribution, stops=None):
     """Exact {(τ, emitted tokens): prob} of one block given its drafts: q [k, V], p [k+1, V]."""
     k = len(drafts)
     if k == 0:
@@ -140,7 +140,7 @@ def test_block_enumeration_has_power():
         kept = torch.cat([torch.ones(1, dtype=torch.float64), h.double().cumprod(0)])
         return torch.cat([kept[:-1] * (1 - h.double()), kept[-1:]])
 
-    for wrong in ({"residual": lambda p, q, w: block_residual(p, q, torch.tensor(1.0))},
+    for wrong in ({"residual": lambda p, q, w: residual_distribution(p, q)},
                   {"stops": forward_scan}):
         got = block_sequence_probs(target, draft, [0, 1], 4, 3, params, **wrong)
         assert max(abs(got.get(s, 0.0) - prob) for s, prob in expected.items()) > 1e-3

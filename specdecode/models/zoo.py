@@ -94,14 +94,6 @@ def part_paths(model: ZooModel) -> list[Path]:
     return paths
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def packaged_gguf(model: ZooModel) -> Path:
     """The GGUF file inside its installed package (never imported).
 
