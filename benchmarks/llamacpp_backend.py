@@ -144,11 +144,12 @@ def build_tiny(root: Path, vocab: int = 320) -> dict[str, Path]:
 class RawLlama:
     """A model and a one-sequence context, driven the way llama.cpp's simple example does."""
 
-    def __init__(self, path: Path, n_ctx: int, threads: int):
+    def __init__(self, path: Path, n_ctx: int, threads: int, repack: bool = True):
         from specdecode.models.llamacpp import library
 
         lib = self.lib = library()
         model_params = lib.llama_model_default_params()
+        model_params.use_extra_bufts = repack
         self.model = lib.llama_model_load_from_file(str(path).encode(), model_params)
         params = lib.llama_context_default_params()
         params.n_ctx, params.n_batch = n_ctx, 2048
@@ -288,7 +289,8 @@ def resolve(spec: str, bf16: bool, progress) -> Path:
 def markdown(report: dict) -> str:
     lines = [f"# llama.cpp under the engine: {report['target']}", "",
              f"Date: {report['date']}. CPU: {report['cpu']['cpu']}; torch capability {report['cpu']['capability']}, "
-             f"flags {' '.join(report['cpu']['flags'])}; {report['threads']} threads.", "",
+             f"flags {' '.join(report['cpu']['flags'])}; {report['threads']} threads; llama.cpp weight repacking "
+             f"{'on' if report['repack'] else 'off'}.", "",
              f"llama.cpp: `{report['llama_system_info']}`", "",
              f"Command: `{report['command']}`", ""]
     if report.get("decoding"):
@@ -349,6 +351,8 @@ def main() -> None:
     parser.add_argument("--ks", default="2,3,4,5,6,7,8,9,16", help="k of r(k)")
     parser.add_argument("--repeats", type=int, default=7, help="timings per cost median")
     parser.add_argument("--costs-only", action="store_true", help="step and r(k) only, no decoding")
+    parser.add_argument("--no-repack", action="store_true",
+                        help="keep the files' weight layouts, raw and backend alike (a build whose AMX kernels fault)")
     parser.add_argument("--out", help="write OUT.json and OUT.md")
     args = parser.parse_args()
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -360,13 +364,14 @@ def main() -> None:
     else:
         target_path = resolve(args.target, args.target_bf16, progress)
         draft_path = None if args.costs_only else resolve(args.draft, False, progress)
-    options = dict(n_ctx=args.n_ctx, n_threads=threads, max_rows=2)
+    options = dict(n_ctx=args.n_ctx, n_threads=threads, max_rows=2, repack=not args.no_repack)
     target, tokenizer = load_gguf(target_path, **options)
-    raw = RawLlama(target_path, args.n_ctx, threads)
+    raw = RawLlama(target_path, args.n_ctx, threads, repack=not args.no_repack)
     prompts = prompts_for(tokenizer, args.code, args.questions, args.max_prompt_tokens)
     report = {"target": target_path.name, "draft": draft_path.name if draft_path else None,
               "date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", "cpu": cpu_report(),
               "capability": torch.backends.cpu.get_cpu_capability(), "threads": threads,
+              "repack": not args.no_repack,
               "llama_system_info": system_info(), "platform": platform.platform(),
               "command": "python benchmarks/llamacpp_backend.py " + " ".join(sys.argv[1:])}
     progress(f"CPU capability {report['capability']}, flags {' '.join(report['cpu']['flags'])}")

@@ -31,22 +31,29 @@ from specdecode.sampling import SamplingParams, adjust  # noqa: E402
 PROMPTS = [[5, 17, 33, 2, 71, 40, 8], [300, 12, 9], [44, 260, 261, 262, 11, 90, 91, 92, 93, 7, 7], [150]]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cache(tmp_path_factory):
+    """A cache folder of this module's own (converted files, tokenizers)."""
+    before = os.environ.get("SPECDECODE_CACHE")
+    os.environ["SPECDECODE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield Path(os.environ["SPECDECODE_CACHE"])
+    if before is None:
+        del os.environ["SPECDECODE_CACHE"]
+    else:
+        os.environ["SPECDECODE_CACHE"] = before
+
+
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    """{"target", "draft"} F32 GGUFs, the target as "q8_0" and "bf16" (through bf16_gguf into a
-    cache folder of its own), and the transformers float32 models of the F32 files."""
+def files(tmp_path_factory, cache):
+    """{"target", "draft"} F32 GGUFs, the target as "q8_0" and "bf16" (through bf16_gguf), and the
+    transformers float32 models of the F32 files."""
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("gguf")
     paths = dict(llamacpp_backend.build_tiny(root))
     paths["q8_0"] = root / "tiny-target-q8_0.gguf"
     quantize_gguf(paths["target"], paths["q8_0"], "q8_0")
-    cache = os.environ.get("SPECDECODE_CACHE")
-    os.environ["SPECDECODE_CACHE"] = str(root / "cache")
-    try:
-        paths["bf16"] = bf16_gguf(paths["target"])
-    finally:
-        os.environ.pop("SPECDECODE_CACHE") if cache is None else os.environ.__setitem__("SPECDECODE_CACHE", cache)
+    paths["bf16"] = bf16_gguf(paths["target"])
     hf = {name: AutoModelForCausalLM.from_pretrained(str(root), gguf_file=paths[name].name,
                                                     dtype=torch.float32).eval() for name in ("target", "draft")}
     return paths, hf
@@ -423,9 +430,12 @@ def test_chi_square_catches_a_draft_that_misreports_q(chi_models):
 
 # --- loading and conversion -----------------------------------------------------------------------------
 
-def test_load_gguf_gives_a_tokenizer_that_agrees_with_llama_cpp(files):
+def test_load_gguf_gives_a_tokenizer_that_agrees_with_llama_cpp_and_caches_it(files, cache):
     paths, _ = files
     lm, tokenizer = load_gguf(paths["target"], n_threads=1)
+    saved = list((cache / "tokenizers").glob("tiny-target-f32-*/tokenizer_config.json"))
+    assert len(saved) == 1
+    assert load_gguf(paths["target"], n_threads=1)[1].get_vocab() == tokenizer.get_vocab()  # from the cache
     text = "def add(a, b):\n    return a + b  # the quick fox<|im_end|>"
     assert tokenizer(text, add_special_tokens=False).input_ids == lm.tokenize(text)
     assert len(tokenizer) == lm.vocab_size == 320

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -141,8 +142,8 @@ class LlamaCppLM:
             fault, as in a wheel built by GCC 12 on an AMX CPU).
     Attributes:
         vocab_size, num_embeddings: V, the model's vocabulary (the width of its logits).
-        max_length: the model's trained context (GGUF context_length) in tokens per row; with
-            grow=False also at most n_ctx.
+        max_length: the model's trained context (GGUF context_length) in tokens per row, None
+            if the file does not say; with grow=False also at most n_ctx.
         max_rows, device (the CPU: logits come back as CPU tensors), n_ctx (cells now).
         eos_token_ids: the ids llama.cpp ends generation on (its end-of-generation set).
     Raises:
@@ -182,7 +183,7 @@ class LlamaCppLM:
         self._ctx = None
         self._vocab = lib.llama_model_get_vocab(self._model)
         self.vocab_size = self.num_embeddings = lib.llama_vocab_n_tokens(self._vocab)
-        self._n_ctx_train = lib.llama_model_n_ctx_train(self._model)
+        self._n_ctx_train = lib.llama_model_n_ctx_train(self._model) or None  # 0: the file does not say
         self._ctx = self._new_context(n_ctx)
         self._batch = _Batch(lib, n_batch)
         self._eog = None
@@ -209,8 +210,10 @@ class LlamaCppLM:
         return ctx
 
     @property
-    def max_length(self) -> int:
-        return self._n_ctx_train if self.grow else min(self._n_ctx_train, self.n_ctx)
+    def max_length(self) -> int | None:
+        if self.grow:
+            return self._n_ctx_train
+        return self.n_ctx if self._n_ctx_train is None else min(self._n_ctx_train, self.n_ctx)
 
     def _room_for(self, new_tokens: int) -> None:
         """Make the context hold the rows' tokens plus new_tokens more (grow it, or refuse)."""
@@ -369,7 +372,10 @@ class LlamaCppLM:
         if len(feeds) != self.num_rows or not any(len(f) for f in feeds) or num_logits < 1:
             raise ValueError(f"need {self.num_rows} feeds, not all empty, and num_logits >= 1; got lengths "
                              f"{[len(f) for f in feeds]}, num_logits {num_logits}")
-        out = torch.zeros((len(feeds), num_logits, self.vocab_size), dtype=torch.float32)
+        out = torch.empty((len(feeds), num_logits, self.vocab_size), dtype=torch.float32)
+        for b, feed in enumerate(feeds):
+            if len(feed) < num_logits:  # entries before a short row's logits: 0, never stale memory
+                out[b, :num_logits - len(feed)] = 0
         self._room_for(sum(len(f) for f in feeds))
         spans = [(self._seqs[b], self._lengths[b], [int(t) for t in feed], min(num_logits, len(feed)))
                  for b, feed in enumerate(feeds) if feed]
@@ -464,19 +470,41 @@ class LlamaCppLM:
 
 # --- loading --------------------------------------------------------------------------------------------
 
+def _file_key(path: Path) -> str:
+    """A short digest of a file's resolved path, size and modification time: a cache key that
+    changes when the file does."""
+    stat = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+
+
 def gguf_tokenizer(path):
     """The transformers tokenizer a GGUF file describes (its vocabulary, merges, special tokens and
-    chat template), so the engine's detokenizer, chat template and stops work unchanged."""
+    chat template), so the engine's detokenizer, chat template and stops work unchanged. Building
+    it reads the whole vocabulary (tens of seconds for 150k tokens), so it is saved once in the
+    cache folder and loaded from there afterwards."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from specdecode.models.zoo import cache_dir
+
     path = Path(path)
+    cached = cache_dir() / "tokenizers" / f"{path.stem}-{_file_key(path)}"
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # it reports every metadata field it converts
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     finally:
         hf_logging.set_verbosity(verbosity)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=cached.name, suffix=".partial"))
+    try:
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, cached)
+    except OSError:  # a cache we cannot write costs only time on the next load
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
 
 
 def load_gguf(path, **options) -> tuple[LlamaCppLM, object]:
@@ -518,10 +546,8 @@ def bf16_gguf(source_path, progress: Callable[[str], None] | None = None) -> Pat
     source = Path(source_path).resolve()
     if not source.is_file():
         raise FileNotFoundError(f"no GGUF file at {str(source)!r}")
-    stat = source.stat()
-    digest = hashlib.sha256(f"{source}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out_dir = cache_dir() / "gguf"
-    target = out_dir / f"{source.stem}-bf16-{digest}.gguf"
+    target = out_dir / f"{source.stem}-bf16-{_file_key(source)}.gguf"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
