@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 from collections import Counter
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -29,6 +30,24 @@ def tiny_llama(seed, layers=2, hidden=64, vocab=VOCAB):
                          max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
                          pad_token_id=None, tie_word_embeddings=False)
     return LlamaForCausalLM(config).eval()
+
+
+def peaked_llama(seed, vocab, scale=30.0):
+    """A tiny Llama whose LM head is scaled up: sharp distributions (its top token 0.45-0.99 with
+    seed 0 and vocab 14), so sampled outputs repeat and earlier ones make good drafts."""
+    model = tiny_llama(seed, layers=1, vocab=vocab)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+def greedy_continuation(model, prompt, n):
+    """The n tokens a transformers causal LM continues `prompt` with under greedy decoding."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
 
 
 def tiny_mistral(seed, layers):
@@ -62,6 +81,19 @@ def decode(target, proposer, prompt_ids, config, tokenizer=None, encoder_input_i
     return driver.stream(driver.submit(Request(prompt_ids, config, encoder_input_ids), keep_events=True))
 
 
+def drain(stream, each=None):
+    """(every item of a generator, its return value); each(item) is called as each one comes."""
+    items = []
+    while True:
+        try:
+            item = next(stream)
+        except StopIteration as done:
+            return items, done.value
+        items.append(item)
+        if each is not None:
+            each(item)
+
+
 # --- statistics ------------------------------------------------------------------------------------
 
 def random_probs(shape, generator, zero_frac=0.0):
@@ -89,6 +121,16 @@ def chi2_pvalue(observed, probs):
     return float(chisquare(observed[keep].numpy(), expected.numpy()).pvalue)
 
 
+def pooled_chi2_pvalue(counts: Counter, probs: dict, min_expected: float = 5.0):
+    """Chi-square p-value of counted sequences against their exact probabilities, the sequences
+    expected fewer than min_expected times pooled into one category; and how many were not pooled."""
+    n = sum(counts.values())
+    kept = [s for s in probs if probs[s] * n >= min_expected]
+    observed = [counts[s] for s in kept] + [n - sum(counts[s] for s in kept)]
+    expected = [probs[s] for s in kept] + [max(0.0, 1.0 - sum(probs[s] for s in kept))]
+    return chi2_pvalue(observed, expected), len(kept)
+
+
 # --- exact sequence distributions of table models ---------------------------------------------------
 
 def sequence_pvalues(target, prompts, counts, length, params=None):
@@ -113,10 +155,31 @@ def target_sequence_probs(target, prompt, length, params):
     return probs
 
 
-def speculative_sequence_probs(target, draft, prompt, length, k, params, lenience=1.0):
-    """Exact distribution of the first `length` tokens emitted by Algorithm 1, enumerating every
-    draft block and every accept/reject outcome, with γ clipped to the tokens still wanted
-    (lenience < 1: the lossy acceptance min(1, p/(l·q)) of paper A.5, residual unchanged)."""
+def model_sequence_probs(model, prompt, length):
+    """P(s_1..s_L) at temperature 1 under a transformers causal LM (float32), over all
+    sequences: one batched forward per position."""
+    probs = {(): 1.0}
+    for _ in range(length):
+        seqs = list(probs)
+        with torch.no_grad():
+            logits = model(torch.tensor([list(prompt) + list(s) for s in seqs])).logits[:, -1].float()
+        rows = torch.softmax(logits, -1).tolist()
+        probs = {s + (t,): probs[s] * p for s, row in zip(seqs, rows) for t, p in enumerate(row)}
+    return probs
+
+
+# The sizes and samplings the exact sequence distributions are checked at: table vocabularies, γ and
+# lengths small enough to enumerate every draft block and outcome.
+SMALL_CASES = pytest.mark.parametrize("vocab,k,length", [(3, 2, 3), (3, 3, 4), (4, 2, 3)])
+SAMPLINGS = pytest.mark.parametrize(
+    "params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=2), SamplingParams(top_p=0.8),
+               SamplingParams(temperature=0)], ids=["t1", "t0.7-topk2", "topp0.8", "greedy"])
+
+
+def enumerated_sequence_probs(target, draft, prompt, length, k, params, outcomes):
+    """Exact distribution of the first `length` tokens the loop emits, enumerating every draft
+    block (γ clipped to the tokens still wanted, as the engine does) and every outcome of verifying
+    it: outcomes(drafts, q [k, V], p [k+1, V]) → {(drafts kept, emitted tokens): probability}."""
     out = Counter()
 
     def step(emitted, prob):
@@ -126,31 +189,42 @@ def speculative_sequence_probs(target, draft, prompt, length, k, params, lenienc
         prefix = prompt + emitted
         k_step = min(k, length - len(emitted) - 1)
         for drafts in itertools.product(range(draft.vocab_size), repeat=k_step):
-            q = [adjust(draft.logits_for(prefix + list(drafts[:i])), params) for i in range(k_step)]
-            p = [adjust(target.logits_for(prefix + list(drafts[:i])), params) for i in range(k_step + 1)]
+            q = torch.stack([adjust(draft.logits_for(prefix + list(drafts[:i])), params) for i in range(k_step)]
+                            ) if k_step else torch.zeros(0, draft.vocab_size)
+            p = torch.stack([adjust(target.logits_for(prefix + list(drafts[:i])), params) for i in range(k_step + 1)])
             q_block = 1.0
-            for i in range(k_step):
-                q_block *= float(q[i][drafts[i]])
+            for i, x in enumerate(drafts):
+                q_block *= float(q[i, x])
             if q_block == 0:
                 continue
-            a = [float(acceptance_probs(torch.tensor([[drafts[i]]]), q[i].view(1, 1, -1), p[i].view(1, 1, -1), lenience))
-                 for i in range(k_step)]
-            accept_prefix = 1.0
-            for n in range(k_step + 1):
-                if n < k_step:
-                    p_n = accept_prefix * (1 - a[n])
-                    next_dist = residual_distribution(p[n], q[n])
-                else:
-                    p_n = accept_prefix
-                    next_dist = p[k_step]
-                for t in range(target.vocab_size):
-                    if p_n * next_dist[t] > 0:
-                        step(emitted + list(drafts[:n]) + [t], prob * q_block * p_n * float(next_dist[t]))
-                if n < k_step:
-                    accept_prefix *= a[n]
+            for (_, tokens), prob_outcome in outcomes(list(drafts), q, p).items():
+                step(emitted + list(tokens), prob * q_block * prob_outcome)
 
     step([], 1.0)
     return out
+
+
+def token_outcomes(drafts, q, p, lenience=1.0):
+    """Exact {(n kept, emitted tokens): prob} of verifying one block token by token (Algorithm 1;
+    lenience < 1: the lossy acceptance min(1, p/(l·q)) of paper A.5, residual unchanged)."""
+    k = len(drafts)
+    accept = [float(acceptance_probs(torch.tensor([[drafts[i]]]), q[i].view(1, 1, -1), p[i].view(1, 1, -1), lenience))
+              for i in range(k)]
+    out, kept = {}, 1.0
+    for n in range(k + 1):
+        stop, next_dist = (kept * (1 - accept[n]), residual_distribution(p[n], q[n])) if n < k else (kept, p[k])
+        for t in range(p.shape[-1]):
+            if stop * next_dist[t] > 0:
+                out[(n, tuple(drafts[:n]) + (t,))] = stop * float(next_dist[t])
+        if n < k:
+            kept *= accept[n]
+    return out
+
+
+def speculative_sequence_probs(target, draft, prompt, length, k, params, lenience=1.0):
+    """Exact distribution of the first `length` tokens emitted by Algorithm 1 (token_outcomes)."""
+    return enumerated_sequence_probs(target, draft, prompt, length, k, params,
+                                     lambda drafts, q, p: token_outcomes(drafts, q, p, lenience))
 
 
 def loop_sequence_counts(make_proposer, params, runs, vocab=4, k=3, length=3, **options):
@@ -170,6 +244,21 @@ def loop_sequence_counts(make_proposer, params, runs, vocab=4, k=3, length=3, **
 
 
 # --- a broken proposer -------------------------------------------------------------------------------
+
+class UniformQFreeDrafts:
+    """A broken proposer around a working one: its free (lookup) drafts report a uniform q instead
+    of their one-hot q (violates rule 1: the verifier then keeps them too often)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, rows, ks):
+        return [dataclasses.replace(d, probs=torch.full_like(d.probs, 1.0 / d.probs.shape[-1])) if d.lookup else d
+                for d in self.inner.propose(rows, ks)]
+
 
 class MislabelledProposer(DraftModelProposer):
     """A broken proposer: samples from the draft but reports uniform q (violates rule 1)."""

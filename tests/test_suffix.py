@@ -1,12 +1,16 @@
 """Suffix drafts (SuffixDecoding): the index, the frequency walk, the cache of earlier requests
 (bounded, least recently used, not read by seeded sampled requests), and exactness: greedy equal
 to plain decoding on tiny Llamas, and a chi-square test of the sampled distribution through the
-batched engine with the cache in use, with a negative control that fails it."""
+batched engine with the cache in use, and of later requests after earlier generate calls filled it
+(suffix drafts alone), each with a negative control that fails it."""
 
+import functools
 from collections import Counter
 
+import pytest
 import torch
 
+from specdecode import SpeculativeDecoder
 from specdecode.engine.driver import run_all
 from specdecode.engine.request import DecodeConfig, Request
 from specdecode.models import HFCausalLM, TableModel
@@ -15,7 +19,8 @@ from specdecode.proposers.base import Draft
 from specdecode.proposers.suffix import SuffixIndex, SuffixProposer, continue_by_frequency
 from specdecode.sampling import SamplingParams
 
-from helpers import sequence_pvalues, tiny_llama
+from helpers import (UniformQFreeDrafts, greedy_continuation, model_sequence_probs, peaked_llama, pooled_chi2_pvalue,
+                     sequence_pvalues, tiny_llama)
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -125,3 +130,61 @@ def test_chi_square_detects_a_suffix_proposer_whose_q_is_not_what_it_proposed():
     # 300 batches: the exact test's bar (every prompt above 1e-3) fails by far (p < 1e-30 seen)
     pvalues, _ = suffix_pvalues(WrongQ, 300)
     assert min(pvalues) < 1e-6
+
+
+# --- the cache across generate calls of one decoder (suffix drafts alone) ----------------------------
+
+CONTEXT = [11, 10, 9, 8, 7, 6]  # "hgfedc": no token twice, so a request on it finds no match in its own tokens
+LENGTH, LATER = 3, 800          # 800 later outputs of 3 tokens, in calls of n=16
+SAMPLED = SamplingParams(temperature=1.0, ignore_eos=True)  # unseeded: reads the cache; every output 3 tokens
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory, char_tokenizer):
+    model = peaked_llama(0, len(char_tokenizer))
+    path = tmp_path_factory.mktemp("peaked")
+    model.save_pretrained(path)
+    char_tokenizer.save_pretrained(path)
+    return model, str(path)
+
+
+def warm_then_sample(decoder, model):
+    """A first request on CONTEXT (cold cache), 30 whose prompts repeat CONTEXT and its greedy
+    continuation 4-6 times, a seeded one on CONTEXT, then LATER unseeded ones on CONTEXT.
+    Returns (cold's drafts, seeded's drafts, the later ones' drafts, Counter of their outputs)."""
+    generate = functools.partial(decoder.generate, max_new_tokens=LENGTH, sampling=SAMPLED)
+    cold = generate(CONTEXT).stats.num_drafted
+    continuation = greedy_continuation(model, CONTEXT, 4)
+    for i in range(30):
+        generate((CONTEXT + continuation) * (4 + i % 3))
+    seeded = generate(CONTEXT, sampling=SamplingParams(temperature=1.0, seed=5, ignore_eos=True)).stats.num_drafted
+    counts, drafted = Counter(), 0
+    for _ in range(LATER // 16):
+        for result in generate(CONTEXT, n=16):
+            counts[tuple(result.token_ids)] += 1
+            drafted += result.stats.num_drafted
+    return cold, seeded, drafted, counts
+
+
+def test_earlier_generate_calls_make_a_later_one_draft_and_its_output_stays_exact_chi_square(peaked):
+    """draft=None, prompt_lookup="suffix": nothing drafts on a cold cache; after the earlier calls,
+    later unseeded requests draft from them (from their second token: a request's first step
+    is plain, and a step leaves room for the target's own token), a seeded one only from its own
+    tokens (none here). The later outputs follow the target's exact distribution (chi-square,
+    800 samples, sequences expected fewer than 5 times pooled; fails below 1e-3)."""
+    model, path = peaked
+    decoder = SpeculativeDecoder(path, None, dtype="float32", prompt_lookup="suffix", guard=False)
+    cold, seeded, drafted, counts = warm_then_sample(decoder, model)
+    assert cold == 0 and seeded == 0 and drafted > LATER // 2
+    pvalue, categories = pooled_chi2_pvalue(counts, model_sequence_probs(model, CONTEXT, LENGTH))
+    assert pvalue > 1e-3 and categories >= 10
+
+
+def test_the_warm_cache_chi_square_detects_free_drafts_whose_q_is_misreported(peaked):
+    # the same test with uniform q reported for the cache's drafts: p < 1e-50 seen
+    model, path = peaked
+    decoder = SpeculativeDecoder(path, None, dtype="float32", prompt_lookup="suffix", guard=False)
+    decoder.engine.proposer = UniformQFreeDrafts(decoder.engine.proposer)
+    _, _, drafted, counts = warm_then_sample(decoder, model)
+    assert drafted > LATER // 2
+    assert pooled_chi2_pvalue(counts, model_sequence_probs(model, CONTEXT, LENGTH))[0] < 1e-6
