@@ -10,12 +10,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import httpx
 import pytest
 import torch
 
-from helpers import tiny_llama
+from helpers import (UniformQFreeDrafts, greedy_continuation, model_sequence_probs, peaked_llama, pooled_chi2_pvalue,
+                     tiny_llama)
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -841,3 +843,68 @@ def test_a_client_that_stops_sending_its_body_is_counted_as_aborted_not_as_a_ser
     log = s.process.stderr.read()
     assert "Exception in ASGI application" not in log and "Traceback" not in log, log
     assert code == 0
+
+
+# --- suffix drafts from earlier requests ------------------------------------------------------------
+
+CONTEXT = [11, 10, 9, 8, 7, 6]  # "hgfedc": no token twice, so a request on it finds no match in its own tokens
+LENGTH, LATER = 3, 800          # 800 later outputs of 3 tokens, in requests of n=16
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory, char_tokenizer):
+    model = peaked_llama(0, len(char_tokenizer))
+    path = tmp_path_factory.mktemp("peaked")
+    model.save_pretrained(path)
+    char_tokenizer.save_pretrained(path)
+    return model, str(path)
+
+
+def warm_then_sample(post, model, tokenizer):
+    """Through post(body) → response body: a first request on CONTEXT (cold cache), 30 whose
+    prompts repeat CONTEXT and its greedy continuation 4-6 times, then LATER unseeded
+    temperature-1 choices on CONTEXT. Returns (cold's drafts, the later ones', Counter of their
+    outputs as token ids)."""
+    body = {"model": "tiny", "max_tokens": LENGTH, "temperature": 1, "ignore_eos": True}
+    cold = post({**body, "prompt": CONTEXT})["speculation"]["num_drafted"]
+    continuation = greedy_continuation(model, CONTEXT, 4)
+    for i in range(30):
+        post({**body, "prompt": (CONTEXT + continuation) * (4 + i % 3)})
+    counts, drafted = Counter(), 0
+    for _ in range(LATER // 16):
+        answer = post({**body, "prompt": CONTEXT, "n": 16, "logprobs": 0})
+        drafted += answer["speculation"]["num_drafted"]
+        for choice in answer["choices"]:
+            counts[tuple(tokenizer.convert_tokens_to_ids(choice["logprobs"]["tokens"]))] += 1
+    return cold, drafted, counts
+
+
+def test_a_servers_earlier_requests_make_a_later_one_draft_and_its_output_stays_exact(peaked, char_tokenizer):
+    """`serve --draft none --prompt-lookup` (suffix drafts alone): a first request drafts nothing;
+    after earlier requests, later unseeded ones draft from the server's cache (from their second
+    token: a request's first step is plain, and a step leaves room for the target's own token),
+    and their outputs follow the target's exact distribution (chi-square over 800, sequences
+    expected fewer than 5 times pooled; fails below 1e-3). Negative control: the same requests to
+    the same app in-process, its suffix drafts reporting a uniform q, fail it (p < 1e-50 seen)."""
+    from fastapi.testclient import TestClient
+
+    from specdecode import SpeculativeDecoder
+    from specdecode.serve.app import create_app
+
+    model, path = peaked
+    exact = model_sequence_probs(model, CONTEXT, LENGTH)
+    s = Server({"target": path}, "--draft", "none", "--prompt-lookup")
+    try:
+        cold, drafted, counts = warm_then_sample(
+            lambda body: httpx.post(s.url + "/v1/completions", json=body, timeout=60).json(), model, char_tokenizer)
+    finally:
+        assert s.stop() == 0
+    pvalue, categories = pooled_chi2_pvalue(counts, exact)
+    assert cold == 0 and drafted > LATER // 2
+    assert pvalue > 1e-3 and categories >= 10
+    decoder = SpeculativeDecoder(path, None, dtype="float32", prompt_lookup="suffix", guard=False)
+    decoder.engine.proposer = UniformQFreeDrafts(decoder.engine.proposer)
+    with TestClient(create_app(decoder, model_name="tiny", allowed_hosts=("testserver",))) as client:
+        _, drafted, counts = warm_then_sample(lambda body: client.post("/v1/completions", json=body).json(),
+                                              model, char_tokenizer)
+    assert drafted > LATER // 2 and pooled_chi2_pvalue(counts, exact)[0] < 1e-6
