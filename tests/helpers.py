@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 from collections import Counter
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -78,6 +79,19 @@ def decode(target, proposer, prompt_ids, config, tokenizer=None, encoder_input_i
     """One request's TokenEvents as they come; the generator's return value is its result."""
     driver = Driver(Engine(target, proposer, tokenizer))
     return driver.stream(driver.submit(Request(prompt_ids, config, encoder_input_ids), keep_events=True))
+
+
+def drain(stream, each=None):
+    """(every item of a generator, its return value); each(item) is called as each one comes."""
+    items = []
+    while True:
+        try:
+            item = next(stream)
+        except StopIteration as done:
+            return items, done.value
+        items.append(item)
+        if each is not None:
+            each(item)
 
 
 # --- statistics ------------------------------------------------------------------------------------
@@ -154,10 +168,18 @@ def model_sequence_probs(model, prompt, length):
     return probs
 
 
-def speculative_sequence_probs(target, draft, prompt, length, k, params, lenience=1.0):
-    """Exact distribution of the first `length` tokens emitted by Algorithm 1, enumerating every
-    draft block and every accept/reject outcome, with γ clipped to the tokens still wanted
-    (lenience < 1: the lossy acceptance min(1, p/(l·q)) of paper A.5, residual unchanged)."""
+# The sizes and samplings the exact sequence distributions are checked at: table vocabularies, γ and
+# lengths small enough to enumerate every draft block and outcome.
+SMALL_CASES = pytest.mark.parametrize("vocab,k,length", [(3, 2, 3), (3, 3, 4), (4, 2, 3)])
+SAMPLINGS = pytest.mark.parametrize(
+    "params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=2), SamplingParams(top_p=0.8),
+               SamplingParams(temperature=0)], ids=["t1", "t0.7-topk2", "topp0.8", "greedy"])
+
+
+def enumerated_sequence_probs(target, draft, prompt, length, k, params, outcomes):
+    """Exact distribution of the first `length` tokens the loop emits, enumerating every draft
+    block (γ clipped to the tokens still wanted, as the engine does) and every outcome of verifying
+    it: outcomes(drafts, q [k, V], p [k+1, V]) → {(drafts kept, emitted tokens): probability}."""
     out = Counter()
 
     def step(emitted, prob):
@@ -167,31 +189,42 @@ def speculative_sequence_probs(target, draft, prompt, length, k, params, lenienc
         prefix = prompt + emitted
         k_step = min(k, length - len(emitted) - 1)
         for drafts in itertools.product(range(draft.vocab_size), repeat=k_step):
-            q = [adjust(draft.logits_for(prefix + list(drafts[:i])), params) for i in range(k_step)]
-            p = [adjust(target.logits_for(prefix + list(drafts[:i])), params) for i in range(k_step + 1)]
+            q = torch.stack([adjust(draft.logits_for(prefix + list(drafts[:i])), params) for i in range(k_step)]
+                            ) if k_step else torch.zeros(0, draft.vocab_size)
+            p = torch.stack([adjust(target.logits_for(prefix + list(drafts[:i])), params) for i in range(k_step + 1)])
             q_block = 1.0
-            for i in range(k_step):
-                q_block *= float(q[i][drafts[i]])
+            for i, x in enumerate(drafts):
+                q_block *= float(q[i, x])
             if q_block == 0:
                 continue
-            a = [float(acceptance_probs(torch.tensor([[drafts[i]]]), q[i].view(1, 1, -1), p[i].view(1, 1, -1), lenience))
-                 for i in range(k_step)]
-            accept_prefix = 1.0
-            for n in range(k_step + 1):
-                if n < k_step:
-                    p_n = accept_prefix * (1 - a[n])
-                    next_dist = residual_distribution(p[n], q[n])
-                else:
-                    p_n = accept_prefix
-                    next_dist = p[k_step]
-                for t in range(target.vocab_size):
-                    if p_n * next_dist[t] > 0:
-                        step(emitted + list(drafts[:n]) + [t], prob * q_block * p_n * float(next_dist[t]))
-                if n < k_step:
-                    accept_prefix *= a[n]
+            for (_, tokens), prob_outcome in outcomes(list(drafts), q, p).items():
+                step(emitted + list(tokens), prob * q_block * prob_outcome)
 
     step([], 1.0)
     return out
+
+
+def token_outcomes(drafts, q, p, lenience=1.0):
+    """Exact {(n kept, emitted tokens): prob} of verifying one block token by token (Algorithm 1;
+    lenience < 1: the lossy acceptance min(1, p/(l·q)) of paper A.5, residual unchanged)."""
+    k = len(drafts)
+    accept = [float(acceptance_probs(torch.tensor([[drafts[i]]]), q[i].view(1, 1, -1), p[i].view(1, 1, -1), lenience))
+              for i in range(k)]
+    out, kept = {}, 1.0
+    for n in range(k + 1):
+        stop, next_dist = (kept * (1 - accept[n]), residual_distribution(p[n], q[n])) if n < k else (kept, p[k])
+        for t in range(p.shape[-1]):
+            if stop * next_dist[t] > 0:
+                out[(n, tuple(drafts[:n]) + (t,))] = stop * float(next_dist[t])
+        if n < k:
+            kept *= accept[n]
+    return out
+
+
+def speculative_sequence_probs(target, draft, prompt, length, k, params, lenience=1.0):
+    """Exact distribution of the first `length` tokens emitted by Algorithm 1 (token_outcomes)."""
+    return enumerated_sequence_probs(target, draft, prompt, length, k, params,
+                                     lambda drafts, q, p: token_outcomes(drafts, q, p, lenience))
 
 
 def loop_sequence_counts(make_proposer, params, runs, vocab=4, k=3, length=3, **options):

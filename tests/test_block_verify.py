@@ -20,8 +20,8 @@ from specdecode.sampling import SamplingParams, adjust
 from specdecode.verify import (acceptance_probs, block_acceptance_probs, block_step, residual_distribution,
                                speculative_step)
 
-from helpers import (PROMPT, MislabelledProposer, chi2_pvalue, loop_sequence_counts, random_probs,
-                     target_sequence_probs, tiny_llama)
+from helpers import (PROMPT, SAMPLINGS, SMALL_CASES, MislabelledProposer, chi2_pvalue, enumerated_sequence_probs,
+                     loop_sequence_counts, random_probs, target_sequence_probs, tiny_llama)
 
 
 def stop_distribution(stop_probs):
@@ -54,28 +54,9 @@ def block_outcomes(drafts, q, p, residual=residual_distribution, stops=None):
 
 
 def block_sequence_probs(target, draft, prompt, length, k, params, **wrong):
-    """Exact distribution of the first `length` tokens emitted by the loop with block verification
-    (γ clipped to the tokens still wanted, as the engine does)."""
-    out = Counter()
-
-    def step(emitted, prob):
-        if len(emitted) >= length:
-            out[tuple(emitted[:length])] += prob
-            return
-        prefix = prompt + emitted
-        k_step = min(k, length - len(emitted) - 1)
-        for drafts in itertools.product(range(draft.vocab_size), repeat=k_step):
-            q = torch.stack([adjust(draft.logits_for(prefix + list(drafts[:i])), params) for i in range(k_step)]
-                            ) if k_step else torch.zeros(0, draft.vocab_size)
-            p = torch.stack([adjust(target.logits_for(prefix + list(drafts[:i])), params) for i in range(k_step + 1)])
-            q_block = float(torch.prod(torch.stack([q[i, x] for i, x in enumerate(drafts)]))) if k_step else 1.0
-            if q_block == 0:
-                continue
-            for (_, tokens), prob_outcome in block_outcomes(list(drafts), q, p, **wrong).items():
-                step(emitted + list(tokens), prob * q_block * prob_outcome)
-
-    step([], 1.0)
-    return out
+    """Exact distribution of the first `length` tokens emitted by the loop with block verification."""
+    return enumerated_sequence_probs(target, draft, prompt, length, k, params,
+                                     lambda drafts, q, p: block_outcomes(drafts, q, p, **wrong))
 
 
 def expected_accepted(p, q, k, rule):
@@ -114,10 +95,8 @@ def test_block_never_keeps_fewer_drafts_than_token_by_token(seed):
             assert block == pytest.approx(token, abs=1e-6)
 
 
-@pytest.mark.parametrize("vocab,k,length", [(3, 2, 3), (3, 3, 4), (4, 2, 3)])
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=2),
-                                    SamplingParams(top_p=0.8), SamplingParams(temperature=0)],
-                         ids=["t1", "t0.7-topk2", "topp0.8", "greedy"])
+@SMALL_CASES
+@SAMPLINGS
 def test_block_sequence_distribution_equals_target(vocab, k, length, params):
     # Context-dependent tables (order 2): the whole emitted sequence, over several blocks, to 1e-6.
     target = TableModel(vocab, order=2, seed=10)

@@ -11,7 +11,7 @@ from specdecode.models import TableModel
 from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 
-from helpers import chi2_pvalue, decode, loop_sequence_counts
+from helpers import chi2_pvalue, decode, drain, loop_sequence_counts
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -96,13 +96,9 @@ def test_caches_hold_exactly_the_committed_prefix_after_every_step(sampling, loo
     proposer = DraftModelProposer(draft)
     if lookup:  # the draft model sits out the steps that lookup serves, then catches up
         proposer = FallbackProposer(PromptLookupProposer(8, max_ngram=2, min_ngram=1), proposer)
-    events = decode(target, proposer, prompt, config(60, k=3, sampling=sampling))
-    while True:
-        try:
-            committed.append(next(events).token_id)
-        except StopIteration as done:
-            result = done.value
-            break
+    # the tables check each call against `committed`, so it grows as the tokens come
+    _, result = drain(decode(target, proposer, prompt, config(60, k=3, sampling=sampling)),
+                      lambda event: committed.append(event.token_id))
     assert len(committed) == len(prompt) + 60 and result.token_ids == committed[len(prompt):]
     # Target: each call starts from the committed sequence minus its last token, fed first.
     for i, (cache, fed, n) in enumerate(target.snapshots):
@@ -185,15 +181,8 @@ def test_streamed_text_equals_final_text(char_tokenizer):
     vocab = len(char_tokenizer)
     target, draft = TableModel(vocab, seed=0, sharpness=0.5), TableModel(vocab, seed=2, sharpness=0.5)
     cfg = config(40, k=3, sampling=SamplingParams(seed=5), stop=("hh",))
-    events = decode(target, DraftModelProposer(draft), char_tokenizer.encode("ab"), cfg, char_tokenizer)
-    streamed = []
-    while True:
-        try:
-            streamed.append(next(events).text)
-        except StopIteration as done:
-            result = done.value
-            break
-    assert "".join(streamed) == result.text
+    events, result = drain(decode(target, DraftModelProposer(draft), char_tokenizer.encode("ab"), cfg, char_tokenizer))
+    assert "".join(event.text for event in events) == result.text
     assert result.text == run(target, DraftModelProposer(draft), char_tokenizer.encode("ab"), cfg,
                               char_tokenizer).text
 

@@ -7,14 +7,12 @@ from specdecode.models import TableModel
 from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 
-from helpers import (MislabelledProposer, chi2_pvalue, loop_sequence_counts, speculative_sequence_probs,
-                     target_sequence_probs)
+from helpers import (SAMPLINGS, SMALL_CASES, MislabelledProposer, chi2_pvalue, loop_sequence_counts,
+                     speculative_sequence_probs, target_sequence_probs)
 
 
-@pytest.mark.parametrize("vocab,k,length", [(3, 2, 3), (3, 3, 4), (4, 2, 3)])
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=2),
-                                    SamplingParams(top_p=0.8), SamplingParams(temperature=0)],
-                         ids=["t1", "t0.7-topk2", "topp0.8", "greedy"])
+@SMALL_CASES
+@SAMPLINGS
 def test_speculative_sequence_distribution_equals_target(vocab, k, length, params):
     target = TableModel(vocab, order=2, seed=10)
     draft = TableModel(vocab, order=2, seed=11)

@@ -10,7 +10,7 @@ from specdecode.models import HFCausalLM
 from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 
-from helpers import PROMPT, decode, tiny_llama
+from helpers import PROMPT, decode, drain, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +57,7 @@ def test_stream_events_carry_the_logprobs(llamas):
     target_model, draft_model = llamas
     stream = decode(HFCausalLM(target_model), DraftModelProposer(HFCausalLM(draft_model)), PROMPT,
                     _config(SamplingParams(temperature=0), 3, top=2))
-    events = []
-    while True:
-        try:
-            events.append(next(stream))
-        except StopIteration as stop:
-            result = stop.value
-            break
+    events, result = drain(stream)
     assert [e.logprob for e in events] == result.logprobs
     record = result.to_dict()
     assert record["logprobs"][0]["token_id"] == result.token_ids[0] and len(record["logprobs"][0]["top"]) == 2
