@@ -94,6 +94,20 @@ def drain(stream, each=None):
             each(item)
 
 
+class FakeClock:
+    """A clock that moves only when told (Engine(clock=...), DraftModelProposer(clock=...)): timed
+    tests then see the same seconds whatever the machine's load."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 # --- statistics ------------------------------------------------------------------------------------
 
 def random_probs(shape, generator, zero_frac=0.0):

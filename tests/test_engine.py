@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import tiny_llama
+from helpers import FakeClock, tiny_llama
 from specdecode import SamplingParams
 from specdecode.engine.driver import Driver, run, run_all
 from specdecode.engine.engine import Engine
@@ -200,17 +200,23 @@ def test_a_draft_with_a_smaller_embedding_table_gets_a_placeholder_for_ids_it_ca
 
 class TimedTable(TableModel):
     """A table model whose forward takes `per_token` seconds per token fed (padding included),
-    plus `fixed`: a stand-in for a target whose wide verify steps cost more than plain ones."""
+    plus `fixed`, on a FakeClock: a stand-in for a target whose wide verify steps cost more than
+    plain ones, timed the same on a busy machine as on an idle one."""
 
-    def __init__(self, *args, per_token=0.0, fixed=0.0, **kw):
+    def __init__(self, *args, clock, per_token=0.0, fixed=0.0, **kw):
         super().__init__(*args, **kw)
-        self.per_token, self.fixed = per_token, fixed
+        self.clock, self.per_token, self.fixed = clock, per_token, fixed
 
     def forward(self, feeds, num_logits):
-        import time
-
-        time.sleep(self.fixed + self.per_token * len(feeds) * max(len(f) for f in feeds))
+        self.clock.advance(self.fixed + self.per_token * len(feeds) * max(len(f) for f in feeds))
         return super().forward(feeds, num_logits)
+
+
+def run_timed(target, proposer, requests, clock):
+    """run_all with the batch guard, every step timed on `clock`."""
+    driver = Driver(Engine(target, proposer, batch_guard=True, clock=clock))
+    ids = [driver.submit(request) for request in requests]
+    return [driver.result(i) for i in ids]
 
 
 def test_batch_cost_model_caps_gamma_where_the_batch_yields_most_tokens_per_second():
@@ -266,24 +272,26 @@ def _guarded(n=40, k=6):
 
 
 def test_the_batch_guard_caps_drafting_when_wide_steps_cost_more_than_they_yield_and_output_is_unchanged():
-    target = TimedTable(8, seed=0, sharpness=1.0, per_token=0.002)
+    clock = FakeClock()
+    target = TimedTable(8, seed=0, sharpness=1.0, per_token=0.002, clock=clock)
     bad_draft = TableModel(8, seed=7, sharpness=4.0)
     prompts = [[1, 2, 3], [4, 5], [6, 1], [2, 2, 7]]
-    batch = run_all(target, DraftModelProposer(bad_draft), [Request(p, _guarded()) for p in prompts],
-                    max_batch_size=None, batch_guard=True)
+    batch = run_timed(target, DraftModelProposer(bad_draft, clock=clock), [Request(p, _guarded()) for p in prompts],
+                      clock)
     assert sum(r.stats.num_batch_caps for r in batch) > 0
     for prompt, got in zip(prompts, batch):
         assert got.token_ids == run(target, None, prompt, _guarded()).token_ids  # greedy: the target's own
 
 
 def test_a_capped_batch_probes_with_one_row_so_only_that_row_reads_its_prompt_into_the_draft():
-    target = TimedTable(8, seed=0, sharpness=1.0, per_token=0.002)
-    proposer = DraftModelProposer(TableModel(8, seed=7, sharpness=4.0))
+    clock = FakeClock()
+    target = TimedTable(8, seed=0, sharpness=1.0, per_token=0.002, clock=clock)
+    proposer = DraftModelProposer(TableModel(8, seed=7, sharpness=4.0), clock=clock)
     seen = []
     propose = proposer.propose
     proposer.propose = lambda rows, ks: seen.append(list(ks)) or propose(rows, ks)
     prompts = [[1, 2, 3], [4, 5], [6, 1], [2, 2, 7]]
-    engine = Engine(target, proposer, None, None, batch_guard=True)
+    engine = Engine(target, proposer, None, None, batch_guard=True, clock=clock)
     engine.cost.min_probe_every = engine.cost.probe_every = 2
     driver = Driver(engine)
     ids = [driver.submit(Request(p, _guarded(60))) for p in prompts]
@@ -295,10 +303,11 @@ def test_a_capped_batch_probes_with_one_row_so_only_that_row_reads_its_prompt_in
 
 
 def test_the_batch_guard_keeps_drafting_when_verifying_is_as_cheap_as_a_plain_step():
-    target = TimedTable(8, seed=0, sharpness=1.0, fixed=0.004)
+    clock = FakeClock()
+    target = TimedTable(8, seed=0, sharpness=1.0, fixed=0.004, clock=clock)
     same = TableModel(8, seed=0, sharpness=1.0)  # the target itself: every draft accepted
     prompts = [[1, 2, 3], [4, 5], [6, 1]]
-    batch = run_all(target, DraftModelProposer(same), [Request(p, _guarded()) for p in prompts], batch_guard=True)
+    batch = run_timed(target, DraftModelProposer(same, clock=clock), [Request(p, _guarded()) for p in prompts], clock)
     # one plain step times that kind of step; after it, drafting always pays here
     assert all(r.stats.num_batch_caps <= 1 and r.stats.mean_tokens_per_call > 4 for r in batch)
 
@@ -306,20 +315,34 @@ def test_the_batch_guard_keeps_drafting_when_verifying_is_as_cheap_as_a_plain_st
 def test_a_guard_whose_costs_were_measured_under_a_load_spike_recovers_from_the_loops_own_timings():
     # c measured at start-up during a spike: 5 target calls per draft forward, where a draft forward
     # really costs 1/20 of a target call and the draft is the target itself (every draft accepted).
-    # With the start-up c alone the guard would pause drafting for the whole run (issue 13 item 4).
-    target = TimedTable(8, seed=0, sharpness=1.0, fixed=0.01)
-    draft = TimedTable(8, seed=0, sharpness=1.0, fixed=0.0005)
+    # With the start-up c alone the guard would pause drafting for the whole run.
+    clock = FakeClock()
+    target = TimedTable(8, seed=0, sharpness=1.0, fixed=0.01, clock=clock)
+    draft = TimedTable(8, seed=0, sharpness=1.0, fixed=0.0005, clock=clock)
     cfg = config(120, k=4, costs=(5.0, 0.0))
-    [got] = run_all(target, DraftModelProposer(draft), [Request([1, 2, 3], cfg)], batch_guard=True)
+    [got] = run_timed(target, DraftModelProposer(draft, clock=clock), [Request([1, 2, 3], cfg)], clock)
     # one pause (16 plain steps) times a plain step; every step after it drafts: 120 tokens in ~40
     # calls, where a guard stuck on the start-up c pauses after every probe (~1.4 tokens per call)
     assert got.stats.num_guard_pauses == 1 and got.stats.mean_tokens_per_call > 2.5
     assert got.token_ids == run(target, None, [1, 2, 3], cfg).token_ids
     # and a guard whose start-up c was right still pauses a draft that does not pay
-    slow_draft = TimedTable(8, seed=7, sharpness=4.0, fixed=0.008)
-    [paused] = run_all(target, DraftModelProposer(slow_draft), [Request([1, 2, 3], config(60, k=4, costs=(0.8, 0.0)))],
-                       batch_guard=True)
+    slow_draft = TimedTable(8, seed=7, sharpness=4.0, fixed=0.008, clock=clock)
+    [paused] = run_timed(target, DraftModelProposer(slow_draft, clock=clock),
+                         [Request([1, 2, 3], config(60, k=4, costs=(0.8, 0.0)))], clock)
     assert paused.stats.num_guard_pauses >= 2
+
+
+def test_step_timings_and_wall_time_are_read_from_the_engines_clock():
+    clock = FakeClock()
+    target = TimedTable(8, seed=0, sharpness=1.0, fixed=0.01, clock=clock)
+    draft = TimedTable(8, seed=5, sharpness=1.0, fixed=0.002, clock=clock)
+    driver = Driver(Engine(target, DraftModelProposer(draft, clock=clock), clock=clock))
+    result = driver.result(driver.submit(Request([1, 2, 3], config(30, k=3))))
+    stats = result.stats
+    # every second the clock moved was a target forward or a draft forward, and nothing else counts
+    assert stats.time_target_s == pytest.approx(0.01 * stats.num_target_calls)
+    assert stats.time_draft_s == pytest.approx(0.002 * stats.num_draft_calls) and stats.num_draft_calls > 0
+    assert stats.wall_time_s == pytest.approx(clock.now)
 
 
 def test_a_backend_whose_rows_all_roll_back_to_empty_can_drop_a_row_and_read_again():

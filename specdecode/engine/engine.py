@@ -27,6 +27,7 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -88,7 +89,7 @@ class _Row:
     the target's cache holds all of it but `pending`, which the next forward feeds first."""
 
     def __init__(self, request_id: int, request: Request, tokenizer, speculative: bool, device,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, clock: Callable[[], float] = time.perf_counter):
         config = request.config
         self.request_id, self.request, self.config = request_id, request, config
         self.sampling: SamplingParams = config.sampling
@@ -99,7 +100,8 @@ class _Row:
         self.policy = GammaPolicy(config, speculative)
         self.stats = GenerationStats(lossy=config.lenience < 1.0 and speculative,
                                      accepted_per_position=[0] * self.policy.k_max)
-        self.start = time.perf_counter()
+        self.clock = clock
+        self.start = clock()
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         # penalties, logit_bias, min_tokens, processors, grammar: None keeps the fast path
         # (specdecode.processors)
@@ -110,7 +112,7 @@ class _Row:
 
     def result(self) -> GenerationResult:
         self.stats.num_generated = len(self.out.token_ids)
-        self.stats.wall_time_s = time.perf_counter() - self.start
+        self.stats.wall_time_s = self.clock() - self.start
         if self.policy.guard is not None:
             self.stats.num_guard_pauses = self.policy.guard.num_pauses
         # logprobs and offsets cover exactly the returned text, by the rule the wire formats use
@@ -233,12 +235,15 @@ class Engine:
         first_step_plain: a row drafts nothing on its first step, so its first token costs the
             target's prompt read alone, as in plain decoding (the draft reads the prompt on the
             next step); one more target call per request.
+        clock: seconds, monotonic (time.perf_counter); the step timings (statistics, the batch
+            guard) and each request's wall time read it. Tests pass one they move by hand.
     Raises:
         ValueError: max_batch_size < 1.
     """
 
     def __init__(self, target, proposer=None, tokenizer=None, max_batch_size: int | None = None,
-                 batch_guard: bool = False, first_step_plain: bool = False):
+                 batch_guard: bool = False, first_step_plain: bool = False,
+                 clock: Callable[[], float] = time.perf_counter):
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size!r}")
         self.target, self.proposer, self.tokenizer = target, proposer, tokenizer
@@ -250,6 +255,7 @@ class Engine:
         self._next_id = 0
         self.cost = BatchCostModel() if batch_guard and proposer is not None else None
         self.first_step_plain = first_step_plain
+        self.clock = clock
         target.reset()
 
     @property
@@ -275,7 +281,7 @@ class Engine:
         for i, (rid, request) in enumerate(self.waiting):
             if rid == request_id:
                 del self.waiting[i]
-                row = _Row(rid, request, None, False, self.device)
+                row = _Row(rid, request, None, False, self.device, clock=self.clock)
                 row.out.finish("abort")
                 return row.result()
         for row in self.running:
@@ -355,7 +361,7 @@ class Engine:
     def _propose(self, rows: list[_Row], ks: list[int]) -> tuple[list[Draft], StepTimes]:
         """Phase 2: up to ks[b] drafts per row with their q, cut where a grammar forbids them."""
         synchronize(self.device)
-        start = time.perf_counter()
+        start = self.clock()
         if self.proposer is not None:
             read_before = proposer_reads(self.proposer)
             drafts = self.proposer.propose(rows, ks)
@@ -366,14 +372,14 @@ class Engine:
         if any(row.pipeline is not None and row.pipeline.grammar is not None for row in rows):
             drafts = [_cut_to_grammar(row, draft) for row, draft in zip(rows, drafts)]
         synchronize(self.device)
-        return drafts, StepTimes(draft_s=time.perf_counter() - start, read_s=reads[0], read_tokens=reads[1])
+        return drafts, StepTimes(draft_s=self.clock() - start, read_s=reads[0], read_tokens=reads[1])
 
     def _score(self, rows: list[_Row], drafts: list[Draft], times: StepTimes) -> torch.Tensor:
         """Phase 3: ONE target call over every row's pending token(s) and drafts → logits
         [B, width, V], row b's last k_b + 1 positions scoring its drafts and the token after. A
         draft id the target cannot embed is fed as 0: the verifier rejects it, and what follows
         is discarded."""
-        start = time.perf_counter()
+        start = self.clock()
         embeddable = self.target.num_embeddings
         feeds = [row.pending + [t if t < embeddable else 0 for t in d.tokens.tolist()] for row, d in zip(rows, drafts)]
         width = max(len(d.tokens) for d in drafts) + 1
@@ -383,7 +389,7 @@ class Engine:
         else:
             logits = self.target.forward(feeds, width)
         synchronize(self.device)
-        times.target_s = time.perf_counter() - start
+        times.target_s = self.clock() - start
         times.fed = max(len(f) for f in feeds)  # every row is padded to the widest feed
         return logits
 
@@ -514,7 +520,7 @@ class Engine:
             if self.proposer is not None:
                 self.proposer.add_row(prompt, encoder_input)
             row = _Row(request_id, request, self.tokenizer, self.proposer is not None, self.device,
-                       self.target.vocab_size)
+                       self.target.vocab_size, self.clock)
             if scored_row:
                 row.prompt_logprobs = scored_row[0].prompt_logprobs
                 scored.append(row)
@@ -529,7 +535,7 @@ class Engine:
         if score is None or request.encoder_input_ids is not None:
             raise ValueError("prompt logprobs need a decoder-only target")
         prompt = list(request.prompt_ids)
-        row = _Row(request_id, request, self.tokenizer, False, self.device)
+        row = _Row(request_id, request, self.tokenizer, False, self.device, clock=self.clock)
         row.prompt_logprobs = [None]
         done = 0  # positions scored: position j's logits give token j + 1's logprob
         for logits in score(prompt):  # in chunks: a long prompt never holds all its logits at once

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -76,17 +76,19 @@ class DraftModelProposer:
             untempered softmax probability of the chosen token (also under greedy decoding).
         tree_width: candidates per uncertain position (>= 1; 1 drafts a chain).
         tree_confidence: in (0, 1]; branch where the chain token's confidence is below it.
+        clock: seconds, monotonic (time.perf_counter), for time_s and read_s; the engine's, so
+            that the two agree (tests pass one they move by hand).
     Raises:
         ValueError: an argument out of range.
     """
 
     def __init__(self, backend, confidence_threshold: float = 0.0, tree_width: int = 1,
-                 tree_confidence: float = 0.8):
+                 tree_confidence: float = 0.8, clock: Callable[[], float] = time.perf_counter):
         if not 0 <= confidence_threshold < 1:
             raise ValueError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
         if tree_width < 1 or not 0 < tree_confidence <= 1:
             raise ValueError(f"need tree_width >= 1 and tree_confidence in (0, 1], got {tree_width}, {tree_confidence}")
-        self.backend = backend
+        self.backend, self.clock = backend, clock
         self.confidence_threshold = confidence_threshold
         self.tree_width, self.tree_confidence = tree_width, tree_confidence
         self.max_rows = backend.max_rows
@@ -109,7 +111,7 @@ class DraftModelProposer:
         return token if token < self.backend.num_embeddings else 0
 
     def propose(self, rows: Sequence[DraftRow], ks: list[int]) -> list[Draft]:
-        start = time.perf_counter()
+        start = self.clock()
         backend = self.backend
         ks = list(ks)
         if backend.max_length is not None:
@@ -132,7 +134,7 @@ class DraftModelProposer:
             for p in need:
                 self._draft_next(p, logits[p.b], j)
         drafts = [self._settle(p, lengths[p.b]) for p in plans]
-        self.time_s += time.perf_counter() - start
+        self.time_s += self.clock() - start
         return drafts
 
     def _read_prompts(self, ks: list[int], lengths: list[int]) -> None:
@@ -140,9 +142,9 @@ class DraftModelProposer:
         token, which goes with the batched forward), not padded into every other row's feed."""
         for b, (k, n, state) in enumerate(zip(ks, lengths, self.rows)):
             if k > 0 and n == 0 and len(state.pending) > 1:
-                read_start = time.perf_counter()
+                read_start = self.clock()
                 self.backend.fill(b, [self._feedable(t) for t in state.pending[:-1]])
-                self.read_s += time.perf_counter() - read_start
+                self.read_s += self.clock() - read_start
                 self.read_tokens += len(state.pending) - 1
                 lengths[b], state.pending = len(state.pending) - 1, state.pending[-1:]
 
@@ -171,11 +173,11 @@ class DraftModelProposer:
             feeds[p.b] = [self._feedable(t) for t in p.unfed]
             p.unfed, p.pending_fed = [], True
             p.fed = len(p.chain) if p.tree else len(p.tokens)
-        forward_start = time.perf_counter()
+        forward_start = self.clock()
         logits = self.backend.forward(feeds, 1)[:, 0]
         if j == 0 and max(len(feed) for feed in feeds) > 2:
             # a row catching up on tokens committed while it did not draft: a read, as a fill
-            self.read_s += time.perf_counter() - forward_start
+            self.read_s += self.clock() - forward_start
             self.read_tokens += sum(len(feed) for feed in feeds if len(feed) > 2)
         return logits
 
