@@ -24,7 +24,7 @@ from specdecode.models import HFCausalLM
 from specdecode.models.quant import prepare_draft
 from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.measure.report import environment, fmt, markdown_table, write
-from specdecode.measure.timing import measure_costs
+from specdecode.tune.timing import measure_costs
 
 NEW_TOKENS = 128
 decoder = SpeculativeDecoder(quantize_draft="none", guard=False)  # float draft; quantized copies below

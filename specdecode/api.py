@@ -5,36 +5,21 @@ request path (specdecode.frontend.builder) and the engine with its driver (specd
 from __future__ import annotations
 
 import copy
-import os
 import weakref
 from typing import Callable, Iterator
 
+from specdecode import tune
+from specdecode.config import DecoderConfig
 from specdecode.engine.driver import Driver
 from specdecode.engine.engine import Engine
-from specdecode.engine.request import VERIFICATIONS, DecodeConfig, GenerationResult, Request, TokenEvent
+from specdecode.engine.request import DecodeConfig, GenerationResult, Request, TokenEvent
 from specdecode.frontend.builder import RequestBuilder, choice_samplings, generation_defaults, is_int as _is_int
 from specdecode.frontend.schema import MAX_CHOICES
 from specdecode.measure.hardware import cpu_report
-from specdecode.measure.timing import guard_costs as measure_guard_costs
 from specdecode.models.loading import eos_token_ids, load_tokenizer
-from specdecode.models.pair import QUANTIZATIONS, Pair
-from specdecode.proposers import CrossVocabProposer, build_proposer
-from specdecode.proposers.cross_vocab import METHODS as CROSS_VOCAB_METHODS
+from specdecode.models.pair import Pair, check_specs
+from specdecode.proposers import CrossVocabProposer, build_proposer, find_proposer
 from specdecode.sampling import SamplingParams
-
-# Defaults, exact, chosen on HumanEval: free drafts first (suffix drafts since they measured
-# 1.01-1.17x n-gram prompt lookup, docs/suffix_drafts.md); otherwise the draft, with int4
-# weights and eager attention, scoring only the first 32768 ids, drafts up to 8 tokens, stopping
-# once it is less than 40% sure of its own token. Fixed γ ≤ 8 beat the adaptive schedule on the
-# 20-prompt set (docs/bench_code_t0_fixed_gamma8.md 2.26x vs docs/bench_code_t0.md 2.07x) and
-# tied it on 5 held-out prompts once the guard's estimator was fixed; confidence 0.4 beat 0.2 and
-# int4 tied int8 there (docs/tune_draft.md) with a cheaper draft step (c 0.12 vs 0.19).
-DEFAULT_GAMMA = 8
-DEFAULT_DRAFT_CONFIDENCE = 0.4
-DEFAULT_GAMMA_SCHEDULE = "fixed"
-# Token-wise: block verification keeps more drafts in expectation, but on 20 HumanEval prompts at
-# temperature 1 it measured 2.59x against 2.61x (docs/bench_code_t1_20.md), within noise.
-DEFAULT_VERIFICATION = "token"
 
 
 class GenerationStream:
@@ -73,185 +58,95 @@ class SpeculativeDecoder:
     Args:
         target: "default" (the zoo pair's target), a zoo name, a local path, a hub id, or a loaded
             transformers PreTrainedModel (then `tokenizer` is required).
-        draft: "default", a zoo name, path, hub id, PreTrainedModel, or None for plain decoding.
-            It must use the target's tokenizer (checked for drafts loaded by name or path; a
-            draft given as a loaded model is taken to share the target's tokenizer).
-            An encoder–decoder target (config.is_encoder_decoder: T5, flan-t5, BART; paper
-            §4.1) needs an encoder–decoder draft: the prompt is the encoder's input and both
-            decoders start from decoder_start_token_id (specdecode.models.Seq2SeqLM).
+        draft: the same forms, or None for plain decoding. An encoder–decoder target
+            (config.is_encoder_decoder: T5, flan-t5, BART; paper §4.1) needs an encoder–decoder
+            draft (specdecode.models.Seq2SeqLM).
         tokenizer: the tokenizer for a target given as a loaded model.
-        num_speculative_tokens: γ, the most drafts per target call (>= 1; default 8). With
-            dtype="auto" the measured choice may lower it (Eq. 1 with this machine's r(k)).
-        draft_confidence: stop drafting early once the draft's probability of its own token is
-            below this (dynamic γ, exact; default 0.4); 0 always drafts γ tokens.
-        draft_vocab_limit: the draft scores only token ids below this (a cheaper LM head; exact,
-            since q is zero elsewhere); None scores the whole vocabulary; "auto" (default) uses
-            the zoo's measured limit for zoo drafts and None for others.
-        prompt_lookup: free drafts first, the draft model serving the other steps. True or
-            "suffix": suffix drafts (specdecode.proposers.suffix: the most frequent continuation
-            of the longest match of the row's last tokens in its prompt and output and in earlier
-            requests' outputs; measured faster than "ngram" in docs/suffix_drafts.md); "ngram":
-            prompt lookup (paper §3.6: what followed the latest match of the last 2-3 tokens in
-            the row's own tokens); False: none. None (default): suffix drafts when there is a
-            draft model. With draft=None and prompt_lookup set, free drafts are the only
-            proposer; draft=None alone is plain decoding.
-        draft_tokenizer: the draft's tokenizer (an object, or a name or path to load) where it is
-            not the target's: a draft given as a model object otherwise gets the target's, one
-            loaded by name or path its own. A draft whose tokenizer differs from the target's
-            proposes through the token strings both vocabularies hold (exact: TLI for sampled
-            requests, SLEM for greedy ones; specdecode.proposers.cross_vocab).
-        cross_vocab: for such a draft, "auto" (the rule above), "tli" or "slem" for every request.
-        quantize_draft: "int8" (per-row scales) or "int4" (groups of 32 with scale and zero):
-            store the draft's linear layers as integers, weight-only, for a cheaper draft step;
-            still exact, since only the proposal changes (paper §3.6). "none" or False keeps its
-            weights; True means the default kind (DEFAULT_DRAFT_QUANTIZATION). None (default):
-            the default kind for a draft loaded by name or path on the CPU, none for a draft
-            given as a loaded model (a kind or True quantizes a copy of it; the user's object is
-            never changed), for encoder–decoder drafts (their layers read .weight directly) and
-            on other devices (the int kernels are CPU kernels); asking for a kind there raises.
-        gamma_schedule: "fixed" drafts up to γ every step; "adaptive" starts at 4, adds 2 after a
-            fully accepted block and drops 1 otherwise, within [1, γ] (transformers' "heuristic"
-            schedule). Exact either way (the choice looks only at the past).
-        verification: "token" (default) verifies drafts one by one (paper §2.3); "block" verifies
-            each drafted block jointly (Sun et al. 2024, specdecode.verify.block_step): exact too,
-            never fewer accepted drafts in expectation, the same output under greedy decoding.
-            Lenience < 1 (lossy) needs "token".
-        tree_width: with a draft model, draft a token tree (SpecInfer/Sequoia style): at each
-            position where the draft is less than tree_confidence sure of its token, up to
-            tree_width − 1 sibling candidates (sampled without replacement, or the next-best
-            tokens when greedy), all scored in the same target call and verified exactly
-            (specdecode.verify.tree_step). 1 (default) drafts a chain. Needs verification="token"
-            and lenience 1.
-        tree_confidence: in (0, 1], where to branch (default 0.8).
-        guard: pause drafting while the request's acceptances say it does not pay (Cor. 3.9's
-            α > c checked at run time, specdecode.engine.guard), probing again every 16 steps;
-            and, with two or more such requests running, pause them on steps where the loop's
-            own timings say a plain step serves the batch better (specdecode.engine.cost).
-            Exact either way. Seeded sampled requests are not guarded, so that a seed gives the
-            same output alone, in a batch and in another process. Default True.
-        guard_costs: (c, slope) for the guard: c = a draft forward's time over a target step's,
-            slope = (r(γ+1) − 1) / γ, the extra cost of each verified draft in target steps. None
-            (default) measures both once here (a few forwards of each model, ~3 s on the zoo pair).
-        dtype: "auto" (default, also None): for models loaded by name or path on the CPU (target
-            of 100 M parameters or more), time the target in bfloat16 (two ways) and float32 with
-            packed weights, and the draft's kernels and dtypes, once per machine and pair (cached
-            in ~/.cache/specdecode/choices), and run the fastest by Eq. 1 with the measured r(k)
-            (specdecode.measure.autoconfig; plain decoding, without the draft, where nothing beats
-            it); see configuration(). Elsewhere bfloat16. "bfloat16", "float32" or "float16" are
-            used as given (a float32 Llama/Qwen2 target gets oneDNN-packed weights: the same
-            float32 products).
-        device: None (where a model given as an object already is, else "cpu"), "cpu", "cuda",
-            "cuda:N" or "mps". Models are moved there (a model given as an object too).
-        device_map: a target too big for one device: passed to transformers' from_pretrained
-            ("auto", "balanced", "sequential" or a {module name: device} dict; accelerate places the
-            layers on GPUs, the CPU, or offloads them), for a target loaded by name or path. The
-            draft then goes to the device of the target's input embeddings (its first device),
-            and logits are gathered there. None (default): the whole target on `device`.
-        offload_folder: with a device_map that puts layers on "disk": where accelerate keeps them.
-        max_batch_size: the most requests decoded together (None: no limit; generate's
-            batch_size can lower it per call).
-        use_generation_config: apply the target's own generation_config defaults that we can
-            apply exactly: its repetition_penalty (to requests whose own is 1.0) and
-            no_repeat_ngram_size (transformers' NoRepeatNGramLogitsProcessor). Any other value
-            that would shape transformers' output (temperature, top_k, top_p, do_sample, ...) is
-            NOT applied (SamplingParams stay explicit): a warning names them once, at load.
-            False ignores the generation_config. Default True.
-        progress: called with one-line messages while models are assembled and loaded.
+        progress: called with one-line messages while models are assembled, timed and loaded.
+        **options: any other field of specdecode.config.DecoderConfig, which documents each
+            (num_speculative_tokens, draft_confidence, gamma_schedule, verification, tree_width,
+            tree_confidence, free_drafts, draft_vocab_limit, quantize_draft, guard, guard_costs,
+            dtype, backend, device, device_map, offload_folder, max_batch_size,
+            use_generation_config, draft_tokenizer, cross_vocab). Old spellings still work with a
+            DeprecationWarning (prompt_lookup → free_drafts, quantize_draft=True/False/None).
+    Attributes:
+        decoder_config: the validated DecoderConfig.  plan: what specdecode.tune chose to load
+            (.choice: what dtype="auto" measured, or None).
     Raises:
-        ValueError: unknown model, tokenizers that differ, an encoder–decoder model paired with a
-            decoder-only one, draft_vocab_limit on an encoder–decoder draft, γ < 1, unknown dtype,
-            an unknown verification, tree_width < 1, tree_confidence outside (0, 1], a tree with
-            verification="block" or an encoder–decoder or sliding-window target, a device that is
-            not available, quantize_draft off the CPU or on a float64 draft, device_map with
-            `device` or with a target given as a loaded model.
+        TypeError: an unknown option.
+        ValueError: an option out of range or two that clash (DecoderConfig.validate), an unknown
+            model, tokenizers that differ where a draft of another vocabulary cannot work, an
+            encoder–decoder model paired with a decoder-only one, an unavailable device.
         FileNotFoundError: the default pair's part packages are not installed.
     """
 
     def __init__(self, target="default", draft="default", *, tokenizer=None,
-                 num_speculative_tokens: int = DEFAULT_GAMMA, draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
-                 draft_vocab_limit: int | str | None = "auto", prompt_lookup: bool | str | None = None,
-                 quantize_draft: bool | str | None = None, gamma_schedule: str = DEFAULT_GAMMA_SCHEDULE,
-                 verification: str = DEFAULT_VERIFICATION, tree_width: int = 1, tree_confidence: float = 0.8,
-                 guard: bool = True, guard_costs: tuple[float, float] | None = None, dtype=None, device=None,
-                 device_map=None, offload_folder: str | None = None, max_batch_size: int | None = None,
-                 progress: Callable[[str], None] | None = None, use_generation_config: bool = True,
-                 draft_tokenizer=None, cross_vocab: str = "auto"):
-        if not _is_int(num_speculative_tokens) or num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {num_speculative_tokens!r}")
-        if isinstance(draft_confidence, bool) or not isinstance(draft_confidence, (int, float)) \
-                or not 0 <= draft_confidence < 1:
-            raise ValueError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
-        if gamma_schedule not in ("fixed", "adaptive"):
-            raise ValueError(f"gamma_schedule must be 'fixed' or 'adaptive', got {gamma_schedule!r}")
-        if verification not in VERIFICATIONS:
-            raise ValueError(f"verification must be one of {', '.join(map(repr, VERIFICATIONS))}, got {verification!r}")
-        if not _is_int(tree_width) or tree_width < 1:
-            raise ValueError(f"tree_width must be an integer >= 1 (1 = a chain), got {tree_width!r}")
-        if isinstance(tree_confidence, bool) or not isinstance(tree_confidence, (int, float)) \
-                or not 0 < tree_confidence <= 1:
-            raise ValueError(f"tree_confidence must be in (0, 1], got {tree_confidence!r}")
-        if tree_width > 1 and verification != "token":
-            raise ValueError("token trees are verified by their own rule: tree_width > 1 needs verification='token'")
-        if guard_costs is not None and (len(guard_costs) != 2 or not all(x >= 0 for x in guard_costs)):
-            raise ValueError(f"guard_costs must be two numbers >= 0 (c, slope), got {guard_costs!r}")
-        if not (quantize_draft is None or isinstance(quantize_draft, bool) or quantize_draft in QUANTIZATIONS):
-            raise ValueError(f"quantize_draft must be one of {', '.join(QUANTIZATIONS)}, True, False or None, "
-                             f"got {quantize_draft!r}")
-        if draft_vocab_limit not in (None, "auto") and (not _is_int(draft_vocab_limit) or draft_vocab_limit < 1):
-            raise ValueError(f"draft_vocab_limit must be a positive integer, 'auto' or None, got {draft_vocab_limit!r}")
-        if cross_vocab not in CROSS_VOCAB_METHODS:
-            raise ValueError(f"cross_vocab must be one of {', '.join(CROSS_VOCAB_METHODS)}, got {cross_vocab!r}")
-        if isinstance(draft_tokenizer, (str, os.PathLike)):
-            draft_tokenizer = load_tokenizer(draft_tokenizer)
-        if prompt_lookup not in (None, True, False, "ngram", "suffix"):
-            raise ValueError(f"prompt_lookup must be None, True, False, 'ngram' or 'suffix', got {prompt_lookup!r}")
-        if max_batch_size is not None and (not _is_int(max_batch_size) or max_batch_size < 1):
-            raise ValueError(f"max_batch_size must be None or an integer >= 1, got {max_batch_size!r}")
-        self.draft_confidence = draft_confidence
-        self.gamma_schedule = gamma_schedule
-        self.verification = verification
-        self.tree_width, self.tree_confidence = tree_width, tree_confidence
-        self.pair = Pair(target, draft, tokenizer=tokenizer, dtype=dtype, device=device, device_map=device_map,
-                         offload_folder=offload_folder, quantize_draft=quantize_draft,
-                         draft_vocab_limit=draft_vocab_limit, num_speculative_tokens=num_speculative_tokens,
-                         prompt_lookup=prompt_lookup, tree_width=tree_width, progress=progress,
-                         draft_tokenizer=draft_tokenizer)
-        self.cross_vocab = cross_vocab if self.pair.cross_vocab else None
+                 progress: Callable[[str], None] | None = None, **options):
+        self._build(DecoderConfig.from_options(target=target, draft=draft, **options).validate(), tokenizer, progress)
+
+    @classmethod
+    def from_config(cls, config: DecoderConfig, *, tokenizer=None,
+                    progress: Callable[[str], None] | None = None) -> "SpeculativeDecoder":
+        """A decoder built from a DecoderConfig (as the CLI, the server and Ray workers build one)."""
+        decoder = cls.__new__(cls)
+        decoder._build(config.validate(), tokenizer, progress)
+        return decoder
+
+    def _build(self, config: DecoderConfig, tokenizer, progress) -> None:
+        self.decoder_config = config
+        check_specs(config)  # both models findable, before anything is timed or loaded
+        draft_tokenizer = load_tokenizer(config.draft_tokenizer) if isinstance(config.draft_tokenizer, str) \
+            else config.draft_tokenizer
+        self.plan = tune.plan(config, progress)
+        self.pair = Pair(config, self.plan.load, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
+                         progress=progress)
         self.target, self.draft, self.tokenizer = self.pair.target, self.pair.draft, self.pair.tokenizer
-        self.dtype, self.draft_dtype, self.device, self.choice = (self.pair.dtype, self.pair.draft_dtype,
-                                                                  self.pair.device, self.pair.choice)
-        self.is_encoder_decoder = self.pair.is_encoder_decoder
-        self.num_speculative_tokens, self.prompt_lookup = self.pair.num_speculative_tokens, self.pair.prompt_lookup
+        self.num_speculative_tokens, self.free_drafts = self.plan.gamma, self.plan.free_drafts
+        self.cross_vocab = config.cross_vocab if self.pair.cross_vocab else None
         self.eos_token_ids = eos_token_ids(self.target.backend.model, self.tokenizer)
-        self.generation_defaults = generation_defaults(self.target.backend.model) if use_generation_config else {}
+        self.generation_defaults = generation_defaults(self.target.backend.model) \
+            if config.use_generation_config else {}
         self.guard_costs = None  # None: no guard
-        if guard and self.draft is not None:
-            if guard_costs is None and progress:
+        if config.guard and self.draft is not None:
+            if config.guard_costs is None and progress:
                 progress("measuring c (draft step / target step) and the verify cost r(γ+1) for the guard")
-            self.guard_costs = guard_costs or measure_guard_costs(self.target.backend, self.draft.backend,
-                                                                  self.num_speculative_tokens, self.is_encoder_decoder)
+            self.guard_costs = tuple(config.guard_costs) if config.guard_costs is not None else tune.guard_costs(
+                self.target.backend, self.draft.backend, self.num_speculative_tokens, self.is_encoder_decoder)
         # the request path's own tokenizer: requests are built in other threads than the engine's
         self.requests = RequestBuilder(copy.deepcopy(self.tokenizer), self.target.backend, self.eos_token_ids,
-                                       num_speculative_tokens=self.num_speculative_tokens,
-                                       gamma_schedule=gamma_schedule, verification=verification,
-                                       tree_width=tree_width, guard_costs=self.guard_costs,
-                                       defaults=self.generation_defaults, is_encoder_decoder=self.is_encoder_decoder)
-        self.engine = Engine(self.target.backend, self.proposer(), self.tokenizer, max_batch_size,
+                                       decoder=config, num_speculative_tokens=self.num_speculative_tokens,
+                                       guard_costs=self.guard_costs, defaults=self.generation_defaults,
+                                       is_encoder_decoder=self.is_encoder_decoder)
+        self.engine = Engine(self.target.backend, self.proposer(), self.tokenizer, config.max_batch_size,
                              batch_guard=self.guard_costs is not None, first_step_plain=True)
         self._driver = Driver(self.engine)
+
+    # What was built, by the names earlier versions had.
+    choice = property(lambda self: self.plan.choice)
+    dtype = property(lambda self: self.pair.dtype)
+    draft_dtype = property(lambda self: self.pair.draft_dtype)
+    device = property(lambda self: self.pair.device)
+    is_encoder_decoder = property(lambda self: self.pair.is_encoder_decoder)
+    draft_confidence = property(lambda self: self.decoder_config.draft_confidence)
+    gamma_schedule = property(lambda self: self.decoder_config.gamma_schedule)
+    verification = property(lambda self: self.decoder_config.verification)
+    tree_width = property(lambda self: self.decoder_config.tree_width)
+    tree_confidence = property(lambda self: self.decoder_config.tree_confidence)
 
     def configuration(self) -> dict:
         """What runs, for reports (`generate --json`, the server's /v1/models, `bench`): {"dtype":
         the target's dtype, "target_kernel", "draft_dtype" (the draft's: any dtype keeps the output
-        exact), "num_speculative_tokens": γ_max, "machine": this CPU
-        (specdecode.measure.hardware.cpu_report), "choice": why dtype="auto" chose it (None when
-        the dtype was given, the target was a model object, or it was too small to time)}."""
+        exact), "num_speculative_tokens": γ_max (0 without drafts), "free_drafts", "machine": this
+        CPU (specdecode.measure.hardware.cpu_report), "choice": why dtype="auto" chose it (None
+        when the dtype was given, the target was a model object, or it was too small to time),
+        "draft_vocabulary": the shared vocabulary of a draft of another family, or None}."""
         choice = self.choice
         return {"dtype": str(self.dtype).removeprefix("torch."),
-                "target_kernel": choice.target_kernel if choice else str(self.dtype).removeprefix("torch."),
+                "target_kernel": self.plan.load.target_kernel.value,
                 "draft_dtype": str(self.draft_dtype).removeprefix("torch.") if self.draft is not None else None,
-                "num_speculative_tokens": self.num_speculative_tokens if self.draft is not None or self.prompt_lookup
+                "num_speculative_tokens": self.num_speculative_tokens if self.draft is not None or self.free_drafts
                 else 0,
+                "free_drafts": self.free_drafts,
                 "machine": cpu_report(),
                 "choice": None if choice is None else {"summary": choice.describe(), "measured": list(choice.notes)},
                 "draft_vocabulary": None if not self.cross_vocab else {
@@ -265,16 +160,14 @@ class SpeculativeDecoder:
         one (the benchmark compares them)."""
         draft_backend = draft_backend or (self.draft.backend if self.draft is not None else None)
         tokenizers = (self.draft.tokenizer, self.tokenizer) if self.cross_vocab else None
-        proposer = build_proposer(draft_backend, self.target.backend.vocab_size, prompt_lookup=self.prompt_lookup,
+        proposer = build_proposer(draft_backend, self.target.backend.vocab_size, prompt_lookup=self.free_drafts or False,
                                   confidence=self.draft_confidence, tokenizers=tokenizers,
                                   cross_vocab=self.cross_vocab or "auto",
                                   tree_width=self.tree_width if tree_width is None else tree_width,
                                   tree_confidence=self.tree_confidence)
-        node = proposer
-        while node is not None and not isinstance(node, CrossVocabProposer):  # behind free drafts
-            node = getattr(node, "fallback", None)
-        if node is not None:
-            self.num_shared_tokens = node.num_shared
+        cross = find_proposer(proposer, CrossVocabProposer)
+        if cross is not None:
+            self.num_shared_tokens = cross.num_shared
         return proposer
 
     # The request path (specdecode.frontend.builder), as the facade's own methods.

@@ -70,7 +70,7 @@ def test_a_draft_whose_vocabulary_shares_too_little_is_refused(model_dirs):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_speculative_tokens=0), "num_speculative_tokens"),
     (dict(num_speculative_tokens=2.5), "num_speculative_tokens"),
-    (dict(dtype="int3"), "unknown dtype"),
+    (dict(dtype="int3"), "dtype must be one of"),
     (dict(draft_confidence=1.0), "draft_confidence"),
     (dict(draft_vocab_limit=0), "draft_vocab_limit"),
 ])
@@ -231,7 +231,7 @@ def test_quantize_draft_never_changes_the_users_model(model_dirs, char_tokenizer
     greedy = SamplingParams(temperature=0)
     plain = SpeculativeDecoder(target, None, tokenizer=char_tokenizer).generate("abcab", max_new_tokens=20,
                                                                                sampling=greedy)
-    from specdecode.models.pair import DEFAULT_DRAFT_QUANTIZATION
+    from specdecode.config import DEFAULT_DRAFT_QUANTIZATION
 
     kinds = {None: None, False: None, "none": None, "int8": Int8Linear, "int4": Int4Linear}
     kinds[True] = kinds[DEFAULT_DRAFT_QUANTIZATION]
@@ -245,7 +245,7 @@ def test_quantize_draft_never_changes_the_users_model(model_dirs, char_tokenizer
             assert isinstance(used.lm_head, Int8Linear)
         assert used.config._attn_implementation == ("eager" if kind else draft.config._attn_implementation)
     for bad in ("int3", 1):
-        with pytest.raises(ValueError, match="quantize_draft must be one of int8, int4, none"):
+        with pytest.raises(ValueError, match="quantize_draft must be one of 'auto', 'none', 'int8', 'int4'"):
             SpeculativeDecoder(target, draft, tokenizer=char_tokenizer, quantize_draft=bad)
 
 

@@ -5,11 +5,12 @@ test_choice.py."""
 import pytest
 import torch
 
-import specdecode.models.pair as pair
+import specdecode.tune as tune
 from specdecode import SamplingParams, SpeculativeDecoder
-from specdecode.measure import autoconfig
-from specdecode.measure.choice import Choice
 from specdecode.models import packed
+from specdecode.tune import cache as choice_cache
+from specdecode.tune import candidates
+from specdecode.tune.costs import Choice
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -22,11 +23,18 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def timed_when_tiny(monkeypatch):
-    monkeypatch.setattr(pair, "AUTO_MIN_PARAMETERS", 0)
+    monkeypatch.setattr(candidates, "AUTO_MIN_PARAMETERS", 0)
+
+
+ALL_KINDS = ("int4", "int8", "none")
+
+
+def _key(model_dirs, gamma: int = 8) -> str:
+    return choice_cache.cache_key(model_dirs["target"], model_dirs["draft"], gamma, ALL_KINDS)
 
 
 def _cached(model_dirs, choice: Choice, gamma: int = 8) -> None:
-    autoconfig.save_choice(autoconfig.cache_key(model_dirs["target"], model_dirs["draft"], gamma), choice)
+    choice_cache.save_choice(_key(model_dirs, gamma), choice)
 
 
 def test_auto_times_the_pair_once_and_a_second_start_reuses_the_choice(model_dirs, cache, timed_when_tiny,
@@ -36,14 +44,15 @@ def test_auto_times_the_pair_once_and_a_second_start_reuses_the_choice(model_dir
     assert first.choice is not None and first.choice.notes  # what was measured, per target kernel
     assert any(line.startswith("chose for this machine") and "torch capability" in line for line in lines)
     assert list((cache / "choices").glob("*.json"))
-    # every draft kernel the default allows, in every dtype
-    for kind in ("int4", "int8", "none"):
+    # every draft kernel the default allows, in every dtype (the float draft in bfloat16 only)
+    for kind in ALL_KINDS:
         for dtype in ("bfloat16", "bfloat16-gemv", "float32"):
-            assert any(note.startswith(f"{kind} {dtype} draft: step") for note in first.choice.notes)
+            timed = any(note.startswith(f"{kind} {dtype} draft: step") for note in first.choice.notes)
+            assert timed == (kind != "none" or dtype != "float32")
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured again")
-    monkeypatch.setattr(autoconfig, "measure_and_choose", no_measuring)
+    monkeypatch.setattr(tune, "measure_and_choose", no_measuring)
     second = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
     assert second.choice == first.choice and second.dtype == first.dtype
     configuration = second.configuration()
@@ -88,7 +97,7 @@ def test_a_plain_choice_decodes_plainly_without_loading_the_draft(model_dirs, ca
 
 
 def test_an_explicit_dtype_is_honoured_and_nothing_is_timed(model_dirs, cache, timed_when_tiny, monkeypatch):
-    monkeypatch.setattr(autoconfig, "measure_and_choose", lambda *a, **k: pytest.fail("timed an explicit dtype"))
+    monkeypatch.setattr(tune, "measure_and_choose", lambda *a, **k: pytest.fail("timed an explicit dtype"))
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float32")
     assert decoder.dtype == torch.float32 and decoder.choice is None
     assert decoder.configuration()["choice"] is None
@@ -100,7 +109,7 @@ def test_an_explicit_dtype_is_honoured_and_nothing_is_timed(model_dirs, cache, t
 def test_a_model_object_is_never_changed_by_auto(model_dirs, char_tokenizer, cache, timed_when_tiny, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(autoconfig, "measure_and_choose", lambda *a, **k: pytest.fail("timed a model object"))
+    monkeypatch.setattr(tune, "measure_and_choose", lambda *a, **k: pytest.fail("timed a model object"))
     model = AutoModelForCausalLM.from_pretrained(model_dirs["target"])
     decoder = SpeculativeDecoder(model, None, tokenizer=char_tokenizer)
     assert decoder.choice is None and all(type(m) is not packed.PackedLinear for m in model.modules())
@@ -108,21 +117,22 @@ def test_a_model_object_is_never_changed_by_auto(model_dirs, char_tokenizer, cac
 
 
 def test_small_models_keep_bfloat16_without_timing(model_dirs, cache, monkeypatch):
-    monkeypatch.setattr(autoconfig, "measure_and_choose", lambda *a, **k: pytest.fail("timed a tiny model"))
+    monkeypatch.setattr(candidates, "time_interleaved", lambda *a, **k: pytest.fail("timed a tiny model"))
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
     assert decoder.dtype == torch.bfloat16 and decoder.choice is None
+    assert not list((cache / "choices").glob("*.json"))
 
 
 def test_an_unreadable_cache_file_is_measured_again(model_dirs, cache, timed_when_tiny):
-    key = autoconfig.cache_key(model_dirs["target"], model_dirs["draft"], 8)
-    autoconfig.cache_path(key).parent.mkdir(parents=True)
-    autoconfig.cache_path(key).write_text("{not json")
-    assert autoconfig.load_choice(key) is None
+    key = _key(model_dirs)
+    choice_cache.cache_path(key).parent.mkdir(parents=True)
+    choice_cache.cache_path(key).write_text("{not json")
+    assert choice_cache.load_choice(key) is None
     assert SpeculativeDecoder(model_dirs["target"], model_dirs["draft"]).choice is not None
-    assert autoconfig.load_choice(key) is not None
+    assert choice_cache.load_choice(key) is not None
 
 
-def test_float32_copies_work_on_a_model_transformers_marks_quantized():
+def test_float32_candidates_work_on_a_model_transformers_marks_quantized():
     # a zoo model's first start loads it from GGUF, and transformers then refuses .float()
     from helpers import tiny_llama
 
@@ -130,5 +140,4 @@ def test_float32_copies_work_on_a_model_transformers_marks_quantized():
     model.is_quantized, model.quantization_method = True, "gguf"
     with pytest.raises(ValueError):
         model.float()
-    assert next(autoconfig._float32_copy(model).parameters()).dtype == torch.float32
-    assert next(model.parameters()).dtype == torch.bfloat16  # the original is untouched
+    assert next(tune.float32(model).parameters()).dtype == torch.float32

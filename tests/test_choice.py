@@ -3,10 +3,10 @@ classes: a CPU with native bfloat16, an AVX2-only CPU, and a GPU."""
 
 import pytest
 
-import specdecode.measure.choice as choice_module
+import specdecode.tune.costs as choice_module
 
 from specdecode.engine.cost import expected_tokens
-from specdecode.measure.choice import GAMMA_TOLERANCE, Choice, DraftCost, TargetCost, choose
+from specdecode.tune.costs import GAMMA_TOLERANCE, Choice, DraftCost, TargetCost, choose
 
 # The default pair on 2 cores of an AVX-512-BF16 CPU (bfloat16 and MKL float32 whole-model
 # timings; float32 with packed weights from docs/hardware.md's per-layer ratios).

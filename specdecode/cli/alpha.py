@@ -9,7 +9,7 @@ from specdecode.cli.common import (
     add_out_flag,
     add_task_flags,
     build_decoder,
-    check_model_flags,
+    decoder_config,
     error,
     out_path,
     require_bench_extras,
@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
 def run(args, parser) -> int:
     from specdecode.measure.alpha import alpha_report
 
-    check_model_flags(args, parser)
+    config = decoder_config(args, parser, guard=False)  # α needs no run-time guard (nor its timing)
     if args.quick:
         args.tasks, args.prompts, args.max_new_tokens = ["code", "translation"], 2, 24
     if args.prompts < 1 or args.max_new_tokens < 1:
@@ -56,10 +56,9 @@ def run(args, parser) -> int:
         out = out_path(args.out, "alpha")
     except FileExistsError as err:
         parser.error(str(err))
-    args.guard = False  # α needs no run-time guard (and not its ~3 s of timing at load)
     progress = stderr_progress(args)
     try:
-        decoder = build_decoder(args, progress)
+        decoder = build_decoder(config, progress)
         alpha_report(decoder, args.tasks, args.prompts, args.temperatures, gamma=args.num_speculative_tokens,
                      max_new_tokens=args.max_new_tokens, out=out, seed=args.seed,
                      lenience=tuple(args.lenience), progress=progress)

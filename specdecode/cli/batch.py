@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from specdecode.cli.common import (add_model_flags, add_served_name_flag, build_decoder, check_model_flags, error,
+from specdecode.cli.common import (add_model_flags, add_served_name_flag, build_decoder, decoder_config, error,
                                    served_name, stderr_progress)
 from specdecode.scale.rows import RowDefaults
 
@@ -57,7 +57,7 @@ def add_parser(sub) -> None:
 
 
 def run(args, parser) -> int:
-    check_model_flags(args, parser)
+    config = decoder_config(args, parser, max_batch_size=args.max_batch_size)
     for flag, value in (("--max-batch-size", args.max_batch_size), ("--max-tokens", args.max_tokens),
                         ("--workers", args.workers), ("--rows-per-task", args.rows_per_task)):
         if value < 1:
@@ -91,11 +91,11 @@ def run(args, parser) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         if args.ray is not None:
-            summary = _run_ray(args, parser, defaults, bar)
+            summary = _run_ray(args, parser, config, defaults, bar)
         else:
             from specdecode.scale.batch import run_batch
 
-            decoder = build_decoder(args, progress, max_batch_size=args.max_batch_size)
+            decoder = build_decoder(config, progress)
             summary = run_batch(decoder, args.input, args.output, defaults, args.max_batch_size, bar)
     except (ValueError, OSError, ImportError) as err:
         return error(err)
@@ -126,15 +126,13 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _run_ray(args, parser, defaults, bar):
+def _run_ray(args, parser, config, defaults, bar):
     try:
         from specdecode.scale import ray_data
     except ImportError as err:
         parser.error(f"--ray needs the [ray] extra: pip install -e '.[ray]' ({err})")
-    from specdecode.cli.common import decoder_kwargs
-
     return ray_data.run_batch_on_ray(
-        decoder_kwargs(args, max_batch_size=args.max_batch_size), args.input, args.output, defaults,
+        config.plain(), args.input, args.output, defaults,
         address=None if args.ray == "local" else args.ray, workers=args.workers,
         cpus_per_worker=args.cpus_per_worker, rows_per_task=args.rows_per_task,
         max_batch_size=args.max_batch_size, on_update=bar, quiet=args.quiet)

@@ -10,7 +10,7 @@ from specdecode.cli.common import (
     add_out_flag,
     add_task_flags,
     build_decoder,
-    check_model_flags,
+    decoder_config,
     error,
     out_path,
     require_bench_extras,
@@ -78,7 +78,7 @@ def run(args, parser) -> int:
         parser.error(str(err))
     progress = stderr_progress(args)
     try:
-        decoder = build_decoder(args, progress)
+        decoder = build_decoder(args.decoder_config, progress)
         hf_drafts = {}
         for label in args.hf_draft if decoder.draft is not None and schedules else ():
             if label == "ours" or args.quantize_draft == "none":  # ours, or ours is the float one
@@ -103,7 +103,7 @@ def run(args, parser) -> int:
 
 def _check(args, parser) -> list[str]:
     """Bad flags exit 2 before any model loads; returns the transformers assisted schedules to run."""
-    check_model_flags(args, parser)
+    args.decoder_config = decoder_config(args, parser)
     if args.quick:
         args.prompts, args.new_tokens, args.repeats, args.gammas = 2, 24, 1, [2, 4]
     if args.prompts < 1 or args.new_tokens < 2 or args.repeats < 1 or any(g < 1 for g in args.gammas):

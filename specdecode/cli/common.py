@@ -3,84 +3,102 @@
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import importlib.util
 import json
+import os
+import re
 import sys
 from datetime import datetime
 from pathlib import Path
+from typing import get_args
 
-from specdecode.api import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_GAMMA, DEFAULT_GAMMA_SCHEDULE, DEFAULT_VERIFICATION
-from specdecode.models.pair import DEFAULT_DRAFT_QUANTIZATION, QUANTIZATIONS
+from specdecode import config as options
+from specdecode.config import DecoderConfig
 from specdecode.models import zoo
 
 # alpha and bench write here by default, one new folder per run, so that a run from the clone
 # never overwrites the measurements in docs/ (those pass --out docs/NAME explicitly).
 RUNS_DIR = "specdecode-runs"
+DEFAULTS = DecoderConfig()
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """The target, the draft and how drafts are made: shared by generate, alpha and bench."""
+    """The target, the draft and how drafts are made: shared by generate, alpha, bench, serve and
+    batch. Each flag is a DecoderConfig field (specdecode.config documents them); its checks are
+    DecoderConfig.validate's, run by decoder_config before any model loads."""
     parser.add_argument("--target", default="default",
-                        help=f"target model: a zoo name ({', '.join(zoo.ZOO)}), a local directory, or a hub id "
-                             f"(default: {zoo.DEFAULT_TARGET})")
+                        help=f"target model: a zoo name ({', '.join(zoo.ZOO)}), a local directory, a GGUF file or a "
+                             f"hub id (default: {zoo.DEFAULT_TARGET})")
     parser.add_argument("--draft", default="default",
                         help=f"draft model, same forms as --target, or 'none' for plain decoding (default: {zoo.DEFAULT_DRAFT})")
     parser.add_argument("--draft-tokenizer", default=None, metavar="PATH",
                         help="the draft's tokenizer (a directory or hub id), where its folder lacks it. A draft "
                              "whose tokenizer differs from the target's proposes through the token strings both "
                              "vocabularies hold, exactly (default: the draft's own)")
-    parser.add_argument("--cross-vocab", choices=["auto", "tli", "slem"], default="auto",
+    parser.add_argument("--cross-vocab", choices=get_args(options.CrossVocab), default=DEFAULTS.cross_vocab,
                         help="for a draft of another vocabulary: tli samples from the draft restricted to the "
                              "shared tokens; slem decodes the draft greedily and tokenizes its text for the target; "
                              "auto: slem for greedy requests, tli for sampled ones (both exact; default: auto)")
-    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_GAMMA,
-                        help=f"γ: the most draft tokens proposed per target call (default: {DEFAULT_GAMMA})")
-    parser.add_argument("--gamma-schedule", choices=["fixed", "adaptive"], default=DEFAULT_GAMMA_SCHEDULE,
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULTS.num_speculative_tokens,
+                        help=f"γ: the most draft tokens proposed per target call (default: "
+                             f"{DEFAULTS.num_speculative_tokens}; --dtype auto may lower it for this machine)")
+    parser.add_argument("--gamma-schedule", choices=get_args(options.GammaSchedule), default=DEFAULTS.gamma_schedule,
                         help="fixed: draft up to γ tokens every step; adaptive: start at 4, +2 after a fully "
                              "accepted block, -1 otherwise, within [1, γ] (exact either way; "
-                             f"default: {DEFAULT_GAMMA_SCHEDULE})")
-    parser.add_argument("--verification", choices=["token", "block"], default=DEFAULT_VERIFICATION,
+                             f"default: {DEFAULTS.gamma_schedule})")
+    parser.add_argument("--verification", choices=get_args(options.Verification), default=DEFAULTS.verification,
                         help="token: verify drafts one by one (paper §2.3); block: verify each drafted block "
                              "jointly (Sun et al. 2024), exact too and never fewer accepted drafts in "
                              "expectation, the same output when greedy; lenience < 1 needs token "
-                             f"(default: {DEFAULT_VERIFICATION})")
-    parser.add_argument("--tree-width", type=int, default=1, metavar="W",
+                             f"(default: {DEFAULTS.verification})")
+    parser.add_argument("--tree-width", type=int, default=DEFAULTS.tree_width, metavar="W",
                         help="draft a token tree: up to W candidates at each position where the draft is unsure "
                              "(below --tree-confidence), scored in the same target call and verified exactly; "
                              "1 drafts a chain (default: 1)")
-    parser.add_argument("--tree-confidence", type=float, default=0.8, metavar="C",
-                        help="branch where the draft's probability of its token is below C, in (0, 1] (default: 0.8)")
-    parser.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
+    parser.add_argument("--tree-confidence", type=float, default=DEFAULTS.tree_confidence, metavar="C",
+                        help=f"branch where the draft's probability of its token is below C, in (0, 1] (default: "
+                             f"{DEFAULTS.tree_confidence})")
+    parser.add_argument("--draft-confidence", type=float, default=DEFAULTS.draft_confidence,
                         help="dynamic γ: stop drafting once the draft's probability of its own token falls "
                              "below this, in [0, 1); exact either way; 0 always drafts γ tokens "
-                             f"(default: {DEFAULT_DRAFT_CONFIDENCE})")
+                             f"(default: {DEFAULTS.draft_confidence})")
     parser.add_argument("--draft-vocab-limit", type=int, default=None, metavar="N",
                         help="the draft scores only token ids below N: a cheaper LM head, still exact "
                              "(default: 32768 for the zoo's draft, the whole vocabulary for others)")
-    parser.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=None,
-                        help="free drafts first: suffix drafts, the most frequent continuation of the last tokens' "
-                             "longest match in the prompt, the output and earlier requests' outputs; the draft "
-                             "model serves the other steps (default: on when there is a draft model; "
-                             "--draft none --prompt-lookup uses them alone)")
-    parser.add_argument("--ngram-lookup", dest="prompt_lookup", action="store_const", const="ngram",
-                        help="instead of suffix drafts, plain prompt lookup: what followed the latest match of the "
-                             "last 2-3 tokens in the row's own tokens")
-    parser.add_argument("--quantize-draft", choices=list(QUANTIZATIONS), default=None,
+    parser.add_argument("--free-drafts", choices=get_args(options.FreeDrafts), default=DEFAULTS.free_drafts,
+                        help="drafts that cost no model, tried first, the draft model serving the other steps: "
+                             "suffix (the most frequent continuation of the last tokens in the prompt, the output "
+                             "and earlier requests), ngram (plain prompt lookup: what followed the latest match of "
+                             "the last 2-3 tokens in the row), off; auto: suffix with a draft model, off without "
+                             "one (--draft none --free-drafts suffix uses them alone; default: auto)")
+    parser.add_argument("--prompt-lookup", dest="free_drafts", action="store_const", const="suffix",
+                        help="the same as --free-drafts suffix")
+    parser.add_argument("--no-prompt-lookup", dest="free_drafts", action="store_const", const="off",
+                        help="the same as --free-drafts off")
+    parser.add_argument("--ngram-lookup", dest="free_drafts", action="store_const", const="ngram",
+                        help="the same as --free-drafts ngram")
+    parser.add_argument("--quantize-draft", choices=get_args(options.Quantization), default=DEFAULTS.quantize_draft,
                         help="store the draft's weights as int8 (per-row scales) or int4 (groups of 32) for a "
-                             "faster draft step; exact either way, since only the proposal changes (default: "
-                             f"{DEFAULT_DRAFT_QUANTIZATION} for decoder-only drafts loaded by name or path)")
+                             "faster draft step; exact either way, since only the proposal changes; auto: "
+                             f"{options.DEFAULT_DRAFT_QUANTIZATION} for decoder-only drafts loaded by name or path on "
+                             "the CPU, timed against the others with --dtype auto (default: auto)")
     parser.add_argument("--no-quantize-draft", dest="quantize_draft", action="store_const", const="none",
                         help="the same as --quantize-draft none")
-    parser.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--guard", action=argparse.BooleanOptionalAction, default=DEFAULTS.guard,
                         help="pause drafting while the acceptances say it does not pay (paper Cor. 3.9: "
-                             "only if α > c, with c measured once at load), probing again every 16 steps; exact "
-                             "and reproducible either way (default: on)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                        help="weights and activations dtype. auto (default): on the CPU, time bfloat16 and float32 "
-                             "(with packed weights) on this machine once, and run the faster configuration (one line "
-                             "says which; cached per machine and model pair); float32 for bit-exact comparisons")
-    parser.add_argument("--device-map", default=None, choices=["auto", "balanced", "balanced_low_0", "sequential"],
+                             "only if α > c, with c timed at load and then kept current from the loop's own step "
+                             "timings), probing again every 16 steps; exact and reproducible either way "
+                             "(default: on)")
+    parser.add_argument("--dtype", default=DEFAULTS.dtype, choices=get_args(options.DType),
+                        help="the target's numerics. auto (default): the bfloat16 (or float32) model of the "
+                             "weights, computed by the kernels this machine runs fastest (timed once and cached; one "
+                             "line says which); bfloat16, float32, float16, float64: torch in that dtype (float32 "
+                             "for bit-exact comparisons); gguf: llama.cpp in the GGUF file's own quantization")
+    parser.add_argument("--backend", default=DEFAULTS.backend, choices=get_args(options.Backend),
+                        help="torch or llama.cpp (GGUF files through llama-cpp-python); auto (default): --dtype "
+                             "decides")
+    parser.add_argument("--device-map", default=None, choices=get_args(options.DeviceMap),
                         help="spread a target too big for one device over the GPUs (and the CPU) with transformers' "
                              "device_map; the draft runs on the target's first device (default: off)")
     parser.add_argument("--ignore-generation-config", action="store_true",
@@ -91,20 +109,28 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="no progress messages, progress bars or summary on stderr (errors still print)")
 
 
-def check_model_flags(args, parser: argparse.ArgumentParser) -> None:
-    """Bad flags exit 2 naming the flag, before any model loads."""
-    if args.num_speculative_tokens < 1:
-        parser.error(f"-k/--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
-    if not 0 <= args.draft_confidence < 1:
-        parser.error(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
-    if args.tree_width < 1:
-        parser.error(f"--tree-width must be >= 1, got {args.tree_width}")
-    if not 0 < args.tree_confidence <= 1:
-        parser.error(f"--tree-confidence must be in (0, 1], got {args.tree_confidence}")
-    if args.tree_width > 1 and args.verification != "token":
-        parser.error("--tree-width above 1 needs --verification token (trees have their own exact rule)")
-    if args.draft_vocab_limit is not None and args.draft_vocab_limit < 1:
-        parser.error(f"--draft-vocab-limit must be >= 1, got {args.draft_vocab_limit}")
+def decoder_config(args, parser: argparse.ArgumentParser, **extra) -> DecoderConfig:
+    """The validated DecoderConfig the model flags (and `extra` fields) give; a bad value or two
+    flags that clash exit 2 with DecoderConfig.validate's line, before any model loads."""
+    fields = dict(target=args.target, draft=None if args.draft == "none" else args.draft,
+                  draft_tokenizer=args.draft_tokenizer, cross_vocab=args.cross_vocab,
+                  num_speculative_tokens=args.num_speculative_tokens, draft_confidence=args.draft_confidence,
+                  gamma_schedule=args.gamma_schedule, verification=args.verification, tree_width=args.tree_width,
+                  tree_confidence=args.tree_confidence, free_drafts=args.free_drafts,
+                  draft_vocab_limit="auto" if args.draft_vocab_limit is None else args.draft_vocab_limit,
+                  quantize_draft=args.quantize_draft, guard=args.guard, dtype=args.dtype, backend=args.backend,
+                  device_map=args.device_map, use_generation_config=not args.ignore_generation_config)
+    try:
+        return DecoderConfig(**{**fields, **extra}).validate()
+    except ValueError as err:
+        parser.error(_as_flags(str(err)))
+
+
+def _as_flags(message: str) -> str:
+    """A DecoderConfig message in the CLI's words: field names as the flags that set them."""
+    names = sorted((f.name for f in dataclasses.fields(DecoderConfig) if "_" in f.name), key=len, reverse=True)
+    message = re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
+    return message.replace("--num-speculative-tokens", "-k/--num-speculative-tokens")
 
 
 def add_task_flags(parser: argparse.ArgumentParser, default_tasks: list[str], default_prompts: int) -> None:
@@ -204,24 +230,11 @@ def stderr_progress(args):
     return None
 
 
-def decoder_kwargs(args, **extra) -> dict:
-    """SpeculativeDecoder's arguments as the model flags (and `extra`) give them: plain values, so
-    that a Ray worker can build the same decoder in its own process."""
-    return dict(target=args.target, draft=None if args.draft == "none" else args.draft,
-                num_speculative_tokens=args.num_speculative_tokens, draft_confidence=args.draft_confidence,
-                gamma_schedule=args.gamma_schedule, verification=args.verification, tree_width=args.tree_width,
-                tree_confidence=args.tree_confidence, draft_vocab_limit=args.draft_vocab_limit or "auto",
-                prompt_lookup=args.prompt_lookup, quantize_draft=args.quantize_draft, guard=args.guard,
-                dtype=args.dtype, device_map=args.device_map, draft_tokenizer=args.draft_tokenizer,
-                cross_vocab=args.cross_vocab,
-                use_generation_config=not getattr(args, "ignore_generation_config", False), **extra)
-
-
-def build_decoder(args, progress, **extra):
-    """The SpeculativeDecoder the model flags describe (and `extra` keyword arguments)."""
+def build_decoder(config: DecoderConfig, progress):
+    """The SpeculativeDecoder of a DecoderConfig."""
     from specdecode import SpeculativeDecoder
 
-    return SpeculativeDecoder(**decoder_kwargs(args, progress=progress, **extra))
+    return SpeculativeDecoder.from_config(config, progress=progress)
 
 
 def add_served_name_flag(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ import sys
 from specdecode.cli.common import (
     add_model_flags,
     build_decoder,
-    check_model_flags,
+    decoder_config,
     error,
     read_prompt,
     read_prompts_file,
@@ -94,7 +94,7 @@ def run(args, parser) -> int:
     progress = stderr_progress(args)
     chat = False if args.raw else None
     try:
-        decoder = build_decoder(args, progress)
+        decoder = build_decoder(args.decoder_config, progress)
         extra = dict(logprobs=args.logprobs, response_format=constraint.get("response_format"),
                      grammar=constraint.get("grammar"))
         if isinstance(prompt, list):
@@ -152,13 +152,11 @@ def _parse(args, parser):
                                   logit_bias=bias or None, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos)
     except ValueError as err:
         parser.error(str(err))
-    check_model_flags(args, parser)
-    if not 0 < args.lenience <= 1:
-        parser.error(f"--lenience must be in (0, 1] (1 = exact), got {args.lenience}")
-    if args.lenience != 1 and args.verification == "block":
-        parser.error("--lenience below 1 (lossy) needs --verification token; block verification is exact only")
-    if args.lenience != 1 and args.tree_width > 1:
-        parser.error("--lenience below 1 (lossy) needs --tree-width 1; token trees are verified exactly")
+    args.decoder_config = decoder_config(args, parser)
+    try:
+        args.decoder_config.check_lenience(args.lenience)
+    except ValueError as err:
+        parser.error(f"--{err}")
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if any(not s for s in args.stop):

@@ -6,7 +6,7 @@ import argparse
 import signal
 import sys
 
-from specdecode.cli.common import (add_model_flags, add_served_name_flag, build_decoder, check_model_flags, error,
+from specdecode.cli.common import (add_model_flags, add_served_name_flag, build_decoder, decoder_config, error,
                                    served_name, stderr_progress)
 
 
@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
 
 
 def run(args, parser: argparse.ArgumentParser) -> int:
-    check_model_flags(args, parser)
+    config = decoder_config(args, parser, max_batch_size=args.max_batch_size)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     if args.max_batch_size < 1 or args.max_queue < 0:
@@ -69,10 +69,10 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         parser.error(f"serve needs the [serve] extra: pip install -e '.[serve]' ({err})")
     autoscale = _check_replica_flags(args, parser)
     if args.replicas is not None:
-        return _run_replicas(args, parser, autoscale)
+        return _run_replicas(args, parser, config, autoscale)
     progress = stderr_progress(args)
     try:
-        decoder = build_decoder(args, progress, max_batch_size=args.max_batch_size)
+        decoder = build_decoder(config, progress)
     except (ValueError, FileNotFoundError) as err:
         return error(err)
     name = served_name(args)
@@ -138,7 +138,7 @@ def _check_replica_flags(args, parser) -> tuple[int, int] | None:
     return low, high
 
 
-def _run_replicas(args, parser, autoscale) -> int:
+def _run_replicas(args, parser, config, autoscale) -> int:
     """The server as Ray Serve replicas; runs until SIGINT or SIGTERM, then removes them."""
     import os
     import threading
@@ -147,14 +147,12 @@ def _run_replicas(args, parser, autoscale) -> int:
         from specdecode.scale import cluster, ray_serve
     except ImportError as err:
         parser.error(f"--replicas needs the [ray] extra: pip install -e '.[ray]' ({err})")
-    from specdecode.cli.common import decoder_kwargs
-
     most = autoscale[1] if autoscale else args.replicas
     cpus = args.cpus_per_replica or (max(1, (os.cpu_count() or 1) // most) if args.ray is None else 1)
     plan = ray_serve.Replicas(replicas=args.replicas, cpus=cpus, max_ongoing=args.max_batch_size + args.max_queue,
                               max_batch_size=args.max_batch_size, autoscale=autoscale)
     name = served_name(args)
-    kwargs = decoder_kwargs(args, max_batch_size=args.max_batch_size)
+    kwargs = config.plain()
     # A signal during the start is kept and acted on once the replicas are up (they are then
     # removed). Set again after ray.init, which installs its own crash handlers.
     stopping = threading.Event()

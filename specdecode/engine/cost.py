@@ -35,6 +35,8 @@ are ever capped, so a seeded request's output still never depends on its batch (
 
 from __future__ import annotations
 
+from specdecode import analysis
+
 
 class LineFit:
     """y ≈ a + b·x by least squares, each observation's weight fading by `decay` per new one."""
@@ -64,9 +66,9 @@ PRIOR_ALPHA = 0.8  # α for rows without a measurement while no row has one (opt
 
 
 def expected_tokens(alpha: float, k: int) -> float:
-    """Paper Eq. 1: tokens per step with γ = k drafts at acceptance α."""
-    alpha = min(max(alpha, 0.0), 0.999)
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
+    """Paper Eq. 1 (specdecode.analysis.expected_tokens) for k >= 0 drafts, α̂ clipped to [0, 1]:
+    k = 0 is a plain step (one token)."""
+    return 1.0 if k == 0 else analysis.expected_tokens(min(max(alpha, 0.0), 1.0), k)
 
 
 class BatchCostModel:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import threading
 import warnings
 
+from specdecode.config import DecoderConfig
 from specdecode.engine.request import DecodeConfig, Request
 from specdecode.frontend.schema import MAX_LOGPROBS, ApiError, ChatRequest, CompletionRequest, \
     max_tokens, num_logprobs, prompt_list, stops
@@ -88,9 +89,10 @@ class RequestBuilder:
     Args:
         tokenizer: the target's.  target: its backend (vocab_size, max_length; an encoder–decoder
             one has decoder_start_token_id).  eos_token_ids: ids that end an output.
-        num_speculative_tokens: γ_max of every request (a server body may lower it).
-        gamma_schedule, verification: as DecodeConfig.  tree_width: the decoder's (lenience < 1
-            needs a chain).  guard_costs: (c, slope) for requests the guard may pause, or None.
+        decoder: the decoder's DecoderConfig (gamma_schedule and verification of every request;
+            its check_lenience rule).
+        num_speculative_tokens: γ_max of every request (the tuned one; a server body may lower it).
+        guard_costs: (c, slope) for requests the guard may pause, or None.
         defaults: generation_defaults() of the target ({} to ignore its generation_config).
         is_encoder_decoder: the prompt is the encoder's input (paper §4.1).
 
@@ -99,13 +101,11 @@ class RequestBuilder:
     tokenizing and the lazily built grammar compiler are behind one lock.
     """
 
-    def __init__(self, tokenizer, target, eos_token_ids: frozenset[int], *, num_speculative_tokens: int,
-                 gamma_schedule: str = "fixed", verification: str = "token", tree_width: int = 1,
-                 guard_costs: tuple[float, float] | None = None, defaults: dict | None = None,
-                 is_encoder_decoder: bool = False):
+    def __init__(self, tokenizer, target, eos_token_ids: frozenset[int], *, decoder: DecoderConfig,
+                 num_speculative_tokens: int, guard_costs: tuple[float, float] | None = None,
+                 defaults: dict | None = None, is_encoder_decoder: bool = False):
         self.tokenizer, self.target, self.eos_token_ids = tokenizer, target, eos_token_ids
-        self.num_speculative_tokens, self.gamma_schedule = num_speculative_tokens, gamma_schedule
-        self.verification, self.tree_width, self.guard_costs = verification, tree_width, guard_costs
+        self.decoder, self.num_speculative_tokens, self.guard_costs = decoder, num_speculative_tokens, guard_costs
         self.defaults = defaults or {}
         self.is_encoder_decoder = is_encoder_decoder
         self._grammar_compiler = None
@@ -255,13 +255,7 @@ class RequestBuilder:
             raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
         if any(not s for s in stop_strings):
             raise ValueError("stop strings must be non-empty")
-        if isinstance(lenience, bool) or not isinstance(lenience, (int, float)) or not 0 < lenience <= 1:
-            raise ValueError(f"lenience must be a number in (0, 1] (1 = exact; below 1 is lossy), got {lenience!r}")
-        if lenience != 1 and self.tree_width > 1:
-            raise ValueError(f"lenience {lenience} (lossy) needs tree_width=1; token trees are verified exactly")
-        if lenience != 1 and self.verification == "block":
-            raise ValueError(f"lenience {lenience} (lossy) needs verification='token'; this decoder verifies "
-                             "blocks, which is exact only")
+        self.decoder.check_lenience(lenience)
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}] (alternatives per "
@@ -285,7 +279,7 @@ class RequestBuilder:
                             num_speculative_tokens=self.num_speculative_tokens, eos_token_ids=self.eos_token_ids,
                             stop=tuple(stop_strings), lenience=float(lenience),
                             costs=self.guard_costs if self.guarded(sampling, lenience) else None,
-                            gamma_schedule=self.gamma_schedule, verification=self.verification, logprobs=logprobs,
+                            gamma_schedule=self.decoder.gamma_schedule, verification=self.decoder.verification, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, logits_processors=tuple(processors), grammar=compiled)
 
     @staticmethod

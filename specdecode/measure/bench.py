@@ -32,7 +32,7 @@ from specdecode.engine.driver import run
 from specdecode.engine.request import DecodeConfig
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
-from specdecode.measure.timing import measure_costs
+from specdecode.tune.timing import measure_costs
 
 BASELINE = "transformers generate, target alone"
 LENIENCE_GAMMA = 4

@@ -16,7 +16,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 
 def parse_dtype(dtype) -> torch.dtype:
     """None or "auto" → bfloat16, where dtype="auto" starts (SpeculativeDecoder may then choose
-    float32 after timing this machine's kernels: specdecode.measure.autoconfig)."""
+    float32 after timing this machine's kernels: specdecode.tune)."""
     if dtype is None or dtype == "auto":
         return torch.bfloat16
     if isinstance(dtype, torch.dtype):

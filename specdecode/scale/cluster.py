@@ -122,7 +122,7 @@ def _kill_stragglers(session_dir: str) -> None:
             continue
 
 
-def check_models(decoder_kwargs: dict) -> None:
+def check_models(config: dict) -> None:
     """Fails fast, before Ray starts, on a target or draft that cannot load on this machine (for a
     local cluster, whose workers load them here; Ray would otherwise retry a failing actor).
 
@@ -133,7 +133,7 @@ def check_models(decoder_kwargs: dict) -> None:
     from specdecode.models.loading import check_model_spec
 
     for key, default in (("target", zoo.DEFAULT_TARGET), ("draft", zoo.DEFAULT_DRAFT)):
-        spec = decoder_kwargs.get(key, "default")
+        spec = config.get(key, "default")
         if spec is not None:
             check_model_spec(default if spec == "default" else spec)
 

@@ -25,20 +25,21 @@ class DecoderWorker:
     """A Ray Data callable class: one SpeculativeDecoder per actor, built once in the actor.
 
     Args:
-        decoder_kwargs: SpeculativeDecoder's arguments (plain values).  defaults: RowDefaults.
+        config: a DecoderConfig's fields (DecoderConfig.plain()).  defaults: RowDefaults.
         max_batch_size: rows decoded together.
     Call: a batch {"line": int array, "text": str array, "openai": bool array (the file's format)} of input lines → {"record": JSON strings,
         one per line (results and error records); "started", "ended": the call's start and end on
         this node's clock (Unix seconds, float64), repeated per line}.
     """
 
-    def __init__(self, decoder_kwargs: dict, defaults: RowDefaults, max_batch_size: int):
+    def __init__(self, config: dict, defaults: RowDefaults, max_batch_size: int):
         from specdecode import SpeculativeDecoder
+        from specdecode.config import DecoderConfig
 
         from specdecode.engine.threads import free_openmp_threads
 
         use_assigned_cpus()
-        self.decoder = SpeculativeDecoder(**decoder_kwargs)
+        self.decoder = SpeculativeDecoder.from_config(DecoderConfig(**config))
         self.defaults, self.max_batch_size = defaults, max_batch_size
         # Ray Data calls this object from a pool thread, not the one that built it: free this
         # thread's OpenMP workers, or every parallel region there runs throttled (engine/threads.py)
@@ -57,14 +58,14 @@ class DecoderWorker:
                 "started": [started] * len(records), "ended": [ended] * len(records)}
 
 
-def run_batch_on_ray(decoder_kwargs: dict, input_path: str, output_path: str, defaults: RowDefaults = RowDefaults(),
+def run_batch_on_ray(config: dict, input_path: str, output_path: str, defaults: RowDefaults = RowDefaults(),
                      *, address: str | None = None, workers: int = 1, cpus_per_worker: float | None = None,
                      rows_per_task: int = 32, max_batch_size: int = 8, on_update=None,
                      quiet: bool = False) -> BatchSummary:
     """Runs (or resumes) a batch job on Ray Data; returns its summary.
 
     Args:
-        decoder_kwargs: SpeculativeDecoder's arguments; every actor builds its own decoder from them
+        config: a DecoderConfig's fields (DecoderConfig.plain()); every actor builds its own decoder from them
             (the models must be loadable on every node: installed extras, or local paths there).
         address: a running cluster ("auto", "ray://host:10001", ...), or None to start a local one
             (shut down at the end) with this machine's CPUs.
@@ -78,7 +79,7 @@ def run_batch_on_ray(decoder_kwargs: dict, input_path: str, output_path: str, de
             load here (before Ray starts).
     """
     if address is None:
-        check_models(decoder_kwargs)
+        check_models(config)
     with job(input_path, output_path, defaults, on_update) as (rows, summary, write):
         for row in rows:  # bad lines need no decoder
             if row.error is not None:
@@ -97,7 +98,7 @@ def run_batch_on_ray(decoder_kwargs: dict, input_path: str, output_path: str, de
                 context.enable_progress_bars = False  # the job draws its own
                 dataset = ray.data.from_items(items, override_num_blocks=math.ceil(len(items) / rows_per_task))
                 records = dataset.map_batches(
-                    DecoderWorker, fn_constructor_kwargs=dict(decoder_kwargs=decoder_kwargs, defaults=defaults,
+                    DecoderWorker, fn_constructor_kwargs=dict(config=config, defaults=defaults,
                                                               max_batch_size=max_batch_size),
                     batch_size=rows_per_task, compute=ray.data.ActorPoolStrategy(size=workers),
                     num_cpus=cpus_per_worker, batch_format="numpy")

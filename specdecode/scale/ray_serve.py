@@ -17,14 +17,15 @@ APP_NAME = "specdecode"
 
 @serve.ingress()
 class SpecdecodeReplica:
-    """One replica: builds its SpeculativeDecoder from plain arguments, then the FastAPI app over it
+    """One replica: builds its SpeculativeDecoder from a DecoderConfig's fields, then the FastAPI app over it
     (Ray Serve runs the app's lifespan, which starts and stops the engine worker)."""
 
-    def __init__(self, decoder_kwargs: dict, model_name: str, app_options: dict):
+    def __init__(self, config: dict, model_name: str, app_options: dict):
         from specdecode import SpeculativeDecoder
+        from specdecode.config import DecoderConfig
 
         use_assigned_cpus()
-        self.decoder = SpeculativeDecoder(**decoder_kwargs)
+        self.decoder = SpeculativeDecoder.from_config(DecoderConfig(**config))
         self.model_name, self.app_options = model_name, app_options
 
     def __serve_build_asgi_app__(self):
@@ -51,7 +52,7 @@ class Replicas:
     autoscale: tuple[int, int] | None = None
 
 
-def deployment(decoder_kwargs: dict, model_name: str, app_options: dict, plan: Replicas):
+def deployment(config: dict, model_name: str, app_options: dict, plan: Replicas):
     """The bound Ray Serve application (pass to serve.run). app_options: create_app's keyword
     arguments (max_queue, api_key, host, port, allowed_hosts, allowed_origins)."""
     options = dict(ray_actor_options={"num_cpus": plan.cpus}, max_ongoing_requests=plan.max_ongoing,
@@ -64,7 +65,7 @@ def deployment(decoder_kwargs: dict, model_name: str, app_options: dict, plan: R
                                          "initial_replicas": min(max(plan.replicas, low), high),
                                          "target_ongoing_requests": plan.max_batch_size}
     return serve.deployment(SpecdecodeReplica, name="SpecdecodeReplica", **options).bind(
-        decoder_kwargs, model_name, app_options)
+        config, model_name, app_options)
 
 
 def start(app, host: str, port: int) -> None:

@@ -27,14 +27,6 @@ def _timer(backend, context: list[int], encoder_input_ids):
     return once
 
 
-def time_forwards(backend, context: list[int], sizes: list[int], repeats: int = 7,
-                  encoder_input_ids: list[int] | None = None) -> dict[int, float]:
-    """Median seconds of one call appending k tokens after `context`, for each k in sizes, on one
-    row. The sizes are interleaved and a first round is discarded, so warm-up and drift hit all
-    alike. The backend is left empty."""
-    return time_interleaved({0: backend}, context, {0: sizes}, repeats, encoder_input_ids)[0]
-
-
 def time_interleaved(backends: dict, context: list[int], sizes: dict, repeats: int = 3,
                      encoder_input_ids: list[int] | None = None) -> dict:
     """{name: {k: median seconds of one call appending k tokens}} for several backends, timed

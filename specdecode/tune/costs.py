@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdecode.engine.cost import expected_tokens
+from specdecode.analysis import expected_tokens
 
 # The acceptance the choice assumes before any request ran: the default pair's α̂ of verified
 # drafts with its int4 draft and confidence stop is 0.90 (code, T=0) and 0.85 (code, T=1), 0.55-0.77

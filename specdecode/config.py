@@ -1,0 +1,287 @@
+"""DecoderConfig: every option of a SpeculativeDecoder, in one frozen dataclass, with the one
+`validate()` that owns every rule between them.
+
+The library (`SpeculativeDecoder(**options)`), the CLI (its flags build one, and a ValueError
+exits 2 before any model loads), the server, the batch job and Ray workers (`asdict`, rebuilt in
+the worker) all build this object; nothing else lists the options or checks a rule between them.
+Request-level options (sampling, stops, lenience, ...) are not here: they belong to each request
+(specdecode.frontend.builder); the one rule joining the two, lenience against the decoder's
+verification, is `check_lenience`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+# Defaults, exact, chosen on HumanEval: free drafts first (suffix drafts measured 1.01-1.17x
+# n-gram prompt lookup, docs/results/suffix_drafts.md); otherwise the draft, with int4 weights,
+# scoring only the first 32768 ids, up to 8 tokens, stopping once it is less than 40% sure of its
+# own token. Fixed γ ≤ 8 beat the adaptive schedule on 20 HumanEval prompts (2.26x against 2.07x,
+# docs/results/bench_code_t0_fixed_gamma8.md); confidence 0.4 beat 0.2 and int4 tied int8 with a
+# cheaper draft step (c 0.12 against 0.19, docs/results/tune_draft.md).
+DEFAULT_GAMMA = 8
+DEFAULT_DRAFT_CONFIDENCE = 0.4
+DEFAULT_GAMMA_SCHEDULE = "fixed"
+# Token-wise: block verification keeps more drafts in expectation, but at temperature 1 on 20
+# HumanEval prompts it measured 2.59x against 2.61x (docs/results/bench_code_t1_20.md), within noise.
+DEFAULT_VERIFICATION = "token"
+DEFAULT_DRAFT_QUANTIZATION = "int4"
+
+FreeDrafts = Literal["auto", "off", "suffix", "ngram"]
+Quantization = Literal["auto", "none", "int8", "int4"]
+GammaSchedule = Literal["fixed", "adaptive"]
+Verification = Literal["token", "block"]
+CrossVocab = Literal["auto", "tli", "slem"]
+DType = Literal["auto", "bfloat16", "float32", "float16", "float64", "gguf"]
+Backend = Literal["auto", "torch", "llama.cpp"]
+DeviceMap = Literal["auto", "balanced", "balanced_low_0", "sequential"]
+
+QUANTIZATION_BITS = {"int8": 8, "int4": 4}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _one_of(name: str, value, kind) -> None:
+    allowed = get_args(kind)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """How a SpeculativeDecoder is built: the models, how drafts are made and verified, the
+    numerics and the batch. Every field has a default; `validate()` checks them together.
+
+    Models:
+        target: "default" (the zoo pair's target), a zoo name, a local directory, a GGUF file, a
+            hub id, or a loaded transformers PreTrainedModel (then the decoder needs tokenizer=).
+        draft: the same forms, or None for plain decoding (default "default": the zoo's draft).
+            A draft whose tokenizer differs from the target's proposes through the token strings
+            both vocabularies hold (exact: specdecode.proposers.cross_vocab).
+        draft_tokenizer: the draft's tokenizer (an object, or a name or path) where it is not the
+            target's (a draft given as a model object otherwise gets the target's).
+        cross_vocab: for a draft of another vocabulary: "auto" (TLI for sampled requests, SLEM
+            for greedy ones), "tli" or "slem" for every request.
+    Drafting (paper §2.1-2.3, §3.6; all exact):
+        num_speculative_tokens: γ, the most drafts per target call (>= 1; default 8). dtype="auto"
+            may lower it (Eq. 1 with this machine's measured verify cost).
+        draft_confidence: stop drafting once the draft is less sure than this of its own token,
+            in [0, 1) (default 0.4); 0 always drafts γ tokens.
+        gamma_schedule: "fixed" (up to γ every step) or "adaptive" (start at 4, +2 after a fully
+            accepted block, -1 otherwise, within [1, γ]).
+        verification: "token" (paper §2.3) or "block" (Sun et al. 2024: the block jointly, never
+            fewer accepted drafts in expectation; the same output under greedy decoding).
+        tree_width: draft a token tree with up to this many candidates where the draft is less
+            than tree_confidence sure (verify.tree_step); 1 (default) drafts a chain. Needs
+            verification="token", a draft with the target's tokenizer and a torch target.
+        tree_confidence: in (0, 1] (default 0.8).
+        free_drafts: drafts that cost no model, tried first, the draft model serving the other
+            steps: "suffix" (the most frequent continuation of the row's last tokens in its prompt,
+            its output and earlier requests: specdecode.proposers.suffix), "ngram" (prompt lookup:
+            what followed the latest match of the last 2-3 tokens in the row), "off", or "auto"
+            (default): "suffix" when there is a draft model, "off" without one (draft=None with
+            "suffix" or "ngram" drafts from them alone).
+        draft_vocab_limit: the draft scores only ids below this (a cheaper LM head; q is zero
+            elsewhere); None the whole vocabulary; "auto" (default) the zoo's measured limit for
+            zoo drafts, None for others.
+        quantize_draft: "int4" (groups of 32), "int8" (per-row scales), "none", or "auto"
+            (default): int4 for a draft loaded by name or path on the CPU, none otherwise.
+            Weight-only; only the proposal changes, so the output stays exact (paper §3.6).
+    Guard (Cor. 3.9 at run time):
+        guard: pause drafting while the request's acceptances say it does not pay, and with two
+            or more such requests, on steps where a plain step serves the batch better (engine.
+            guard, engine.cost; both use costs the loop measures as it runs). Seeded sampled
+            requests are never paused (a seed's output must not depend on the batch). Default True.
+        guard_costs: the starting (c, slope) for the guard: c = a draft step over a target step,
+            slope = (r(γ+1) - 1) / γ; None (default) times a few forwards at load.
+    Numerics and placement:
+        dtype: "auto" (default): on the CPU, the measured choice among this machine's candidates
+            (torch bfloat16 two ways, float32 with packed weights, and with llama-cpp-python a
+            llama.cpp BF16 target; every draft kernel): the model of the dequantized weights,
+            computed as fast as this machine allows (specdecode.tune). "bfloat16", "float32",
+            "float16", "float64": torch in that dtype. "gguf": llama.cpp computing the target in
+            its GGUF file's own quantization (a different model, exact with respect to itself).
+        backend: "auto" (default; dtype decides), "torch", or "llama.cpp" (GGUF files through
+            llama-cpp-python; with dtype "auto" or "bfloat16" the target as a BF16 GGUF).
+        device: None (where a model object is, else "cpu"), "cpu", "cuda", "cuda:N" or "mps".
+        device_map: spread a target loaded by name or path over devices (transformers'
+            from_pretrained device_map); offload_folder: where accelerate keeps "disk" layers.
+    Batch and defaults:
+        max_batch_size: the most requests decoded together (None: no limit).
+        use_generation_config: apply the target's generation_config values that can be applied
+            exactly (repetition_penalty, no_repeat_ngram_size); others are named in a warning.
+    """
+
+    target: Any = "default"
+    draft: Any = "default"
+    draft_tokenizer: Any = None
+    cross_vocab: CrossVocab = "auto"
+    num_speculative_tokens: int = DEFAULT_GAMMA
+    draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
+    gamma_schedule: GammaSchedule = DEFAULT_GAMMA_SCHEDULE
+    verification: Verification = DEFAULT_VERIFICATION
+    tree_width: int = 1
+    tree_confidence: float = 0.8
+    free_drafts: FreeDrafts = "auto"
+    draft_vocab_limit: int | Literal["auto"] | None = "auto"
+    quantize_draft: Quantization = "auto"
+    guard: bool = True
+    guard_costs: tuple[float, float] | None = None
+    dtype: DType = "auto"
+    backend: Backend = "auto"
+    device: str | None = None
+    device_map: DeviceMap | dict | None = None
+    offload_folder: str | None = None
+    max_batch_size: int | None = None
+    use_generation_config: bool = True
+
+    @classmethod
+    def from_options(cls, **options) -> "DecoderConfig":
+        """A config from keyword options, old spellings included (each warns once, naming the new
+        one): prompt_lookup=True/"suffix" → free_drafts="suffix", "ngram" → "ngram", False →
+        "off", None → "auto"; quantize_draft=True → "int4", False → "none", None → "auto";
+        dtype=None or a torch.dtype → its name.
+
+        Raises:
+            TypeError: an unknown option (named).
+        """
+        if "prompt_lookup" in options:
+            old = options.pop("prompt_lookup")
+            new = {True: "suffix", False: "off", None: "auto", "suffix": "suffix", "ngram": "ngram"}.get(old, old) \
+                if isinstance(old, (bool, str, type(None))) else old
+            if "free_drafts" in options:
+                raise TypeError("give free_drafts or its old name prompt_lookup, not both")
+            if old is not None:
+                warnings.warn(f"prompt_lookup={old!r} is now free_drafts={new!r}", DeprecationWarning, stacklevel=3)
+            options["free_drafts"] = new
+        quantize = options.get("quantize_draft", "auto")
+        if quantize is None or isinstance(quantize, bool):
+            new = {None: "auto", True: DEFAULT_DRAFT_QUANTIZATION, False: "none"}[quantize]
+            if quantize is not None:
+                warnings.warn(f"quantize_draft={quantize!r} is now quantize_draft={new!r}", DeprecationWarning,
+                              stacklevel=3)
+            options["quantize_draft"] = new
+        dtype = options.get("dtype", "auto")
+        if dtype is None:
+            options["dtype"] = "auto"
+        elif not isinstance(dtype, str) and str(dtype).startswith("torch."):
+            options["dtype"] = str(dtype).removeprefix("torch.")
+        if options.get("draft") == "none":  # the CLI's spelling of plain decoding
+            options["draft"] = None
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                            f"DecoderConfig takes {', '.join(sorted(names))}")
+        return cls(**options)
+
+    def validate(self) -> "DecoderConfig":
+        """Check every field and every rule between fields; returns self.
+
+        Raises:
+            ValueError: the first field out of range, or the first pair of fields that clash
+                (both named, with what to do).
+        """
+        if not _is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens (γ) must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        if not _is_number(self.draft_confidence) or not 0 <= self.draft_confidence < 1:
+            raise ValueError(f"draft_confidence must be in [0, 1), got {self.draft_confidence!r}")
+        for name, kind in (("gamma_schedule", GammaSchedule), ("verification", Verification),
+                           ("cross_vocab", CrossVocab), ("free_drafts", FreeDrafts), ("quantize_draft", Quantization),
+                           ("dtype", DType), ("backend", Backend)):
+            _one_of(name, getattr(self, name), kind)
+        if not _is_int(self.tree_width) or self.tree_width < 1:
+            raise ValueError(f"tree_width must be an integer >= 1 (1 = a chain), got {self.tree_width!r}")
+        if not _is_number(self.tree_confidence) or not 0 < self.tree_confidence <= 1:
+            raise ValueError(f"tree_confidence must be in (0, 1], got {self.tree_confidence!r}")
+        if self.draft_vocab_limit not in (None, "auto") and (
+                not _is_int(self.draft_vocab_limit) or self.draft_vocab_limit < 1):
+            raise ValueError(f"draft_vocab_limit must be a positive integer, 'auto' or None, "
+                             f"got {self.draft_vocab_limit!r}")
+        if self.guard_costs is not None and (
+                not isinstance(self.guard_costs, (tuple, list)) or len(self.guard_costs) != 2
+                or not all(_is_number(x) and x >= 0 for x in self.guard_costs)):
+            raise ValueError(f"guard_costs must be two numbers >= 0 (c, slope), got {self.guard_costs!r}")
+        if self.max_batch_size is not None and (not _is_int(self.max_batch_size) or self.max_batch_size < 1):
+            raise ValueError(f"max_batch_size must be None or an integer >= 1, got {self.max_batch_size!r}")
+        if not isinstance(self.device_map, (dict, type(None))):
+            _one_of("device_map", self.device_map, DeviceMap)
+        self._check_combinations()
+        return self
+
+    def _check_combinations(self) -> None:
+        given_target = not isinstance(self.target, str)
+        if self.tree_width > 1 and self.verification != "token":
+            raise ValueError("tree_width > 1 needs verification='token': token trees are verified by their own rule")
+        if self.device_map is not None and (self.device is not None or given_target):
+            raise ValueError("device_map places a target loaded by name or path; give it without device= and with "
+                             "the target as a name or path")
+        if self.device is not None and not str(self.device).startswith("cpu") \
+                and self.quantize_draft in QUANTIZATION_BITS:
+            raise ValueError(f"quantize_draft={self.quantize_draft!r} runs on the CPU only (the int8/int4 draft "
+                             f"kernels are CPU kernels); on {self.device} use quantize_draft='auto' or 'none'")
+        llama = self.uses_llama_cpp
+        if llama and (self.device not in (None, "cpu") or self.device_map is not None):
+            raise ValueError("the llama.cpp backend runs where llama-cpp-python was built for (the CPU here): "
+                             "give it without device= or device_map=")
+        if llama and given_target:
+            raise ValueError("the llama.cpp backend loads GGUF files by path or zoo name, not model objects; "
+                             "pass backend='torch' for a loaded PreTrainedModel")
+        if self.dtype == "gguf" and self.backend == "torch":
+            raise ValueError("dtype='gguf' computes in the GGUF file's own quantization, which only the llama.cpp "
+                             "backend runs; use backend='llama.cpp' (or 'auto') or a torch dtype")
+        if self.backend == "llama.cpp" and self.dtype in ("float16", "float64"):
+            raise ValueError(f"dtype={self.dtype!r} is a torch dtype; the llama.cpp backend takes 'auto', "
+                             "'bfloat16', 'float32' or 'gguf'")
+        if llama and self.tree_width > 1:
+            raise ValueError("token trees (tree_width > 1) need a custom attention mask, which the llama.cpp "
+                             "backend does not have; use tree_width=1 or backend='torch'")
+
+    @property
+    def uses_llama_cpp(self) -> bool:
+        """Whether the target runs on llama.cpp whatever the tuner measures (backend or dtype say so)."""
+        return self.backend == "llama.cpp" or self.dtype == "gguf"
+
+    def check_lenience(self, lenience: float) -> None:
+        """A request's lenience (paper A.5; 1 is exact) against this decoder's verification.
+
+        Raises:
+            ValueError: lenience outside (0, 1], or below 1 with block verification or a tree.
+        """
+        if not _is_number(lenience) or not 0 < lenience <= 1:
+            raise ValueError(f"lenience must be a number in (0, 1] (1 = exact; below 1 is lossy), got {lenience!r}")
+        if lenience != 1 and self.verification == "block":
+            raise ValueError(f"lenience {lenience} (lossy) needs verification='token'; this decoder verifies "
+                             "blocks, which is exact only")
+        if lenience != 1 and self.tree_width > 1:
+            raise ValueError(f"lenience {lenience} (lossy) needs tree_width=1; token trees are verified exactly")
+
+    @property
+    def free_drafts_rule(self) -> str | None:
+        """"suffix", "ngram" or None: which free drafts run ("auto": suffix drafts with a draft model)."""
+        if self.free_drafts == "auto":
+            return "suffix" if self.draft is not None else None
+        return None if self.free_drafts == "off" else self.free_drafts
+
+    def plain(self) -> dict:
+        """The fields as plain values (dataclasses.asdict) for a config rebuilt in another process
+        (a Ray worker): DecoderConfig(**config.plain()).
+
+        Raises:
+            ValueError: a field holds a model or tokenizer object, which cannot travel.
+        """
+        for name in ("target", "draft", "draft_tokenizer"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} is a {type(value).__name__} object; a config sent to another process "
+                                 "needs names or paths")
+        return dataclasses.asdict(self)

@@ -1,0 +1,174 @@
+"""dtype="auto": time this pair's candidate kernels on this machine, one model at a time, and
+choose by Eq. 1 with the measured r(k) (specdecode.tune.costs).
+
+Candidates on a CPU. The target: bfloat16 as torch runs it, bfloat16 whose one-row calls skip
+oneDNN for torch's own matrix-vector kernels, and float32 with oneDNN-packed weights
+(specdecode.models.packed). The draft, whose dtype is free (the verifier needs only its q): each
+of its kernels (int4, int8, its float weights; only the one asked for when quantize_draft is
+given) in bfloat16 both ways, and the integer kernels with float32 activations.
+
+Memory. Candidates are loaded one target at a time and freed before the next, so the peak is the
+largest candidate, not their sum. The float32 target (twice the bfloat16 bytes, plus a packed
+copy of a tied LM head) is timed only when it could win: its step cannot be faster than reading
+its weights once at this machine's measured memory bandwidth, nor its verify cheaper than that
+step, and where even that bound loses to a measured candidate it is not loaded (on a machine with
+native bfloat16 it never is).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from specdecode.tune.costs import Choice, DraftCost, TargetCost, choose
+from specdecode.tune.timing import time_interleaved
+
+# k of the timed calls: a plain step, verifies of γ+1 up to 17 and a prompt read of 64 tokens
+SIZES = (1, 2, 5, 9, 17, 64)
+DRAFT_SIZES = (1, 64)  # a draft step and the draft's prompt read
+# Targets this large are timed; below, a forward's fixed overhead hides the dtype's kernels and
+# bfloat16 stays (as for tiny test models).
+AUTO_MIN_PARAMETERS = 100_000_000
+QUANTIZED_KINDS = ("int4", "int8")
+
+Progress = Callable[[str], None] | None
+
+
+@dataclass(frozen=True)
+class Loaders:
+    """How the candidates are loaded (specdecode.models functions, passed in so that this module
+    times and chooses without knowing where weights come from).
+
+    target(dtype) -> a transformers causal LM on the CPU, or None where the target is not timed
+        (an encoder-decoder model: its kind is known once its config is read).
+    draft(kind, dtype) -> the draft prepared with that kernel ("int4", "int8", "none").
+    backend(model, is_draft) -> the engine backend over it (specdecode.models.hf.HFCausalLM).
+    pack(model, rows_hint) -> None: float32 Linears packed for oneDNN, or raises ValueError.
+    """
+
+    target: Callable
+    draft: Callable
+    backend: Callable
+    pack: Callable | None
+
+
+def memory_bandwidth_gbs(gib: float = 1.0) -> float:
+    """GB/s of reading memory here: the best of three sums of a `gib` GiB float32 tensor (large
+    enough to leave every cache), on torch's threads."""
+    data = torch.ones(int(gib * (1 << 30)) // 4)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    del data
+    return gib * (1 << 30) / best / 1e9
+
+
+def _parameter_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _free(*objects) -> None:
+    del objects
+    gc.collect()
+
+
+def measure_and_choose(loaders: Loaders, draft_kinds: tuple[str, ...], max_gamma: int,
+                       progress: Progress = None) -> Choice | None:
+    """Time each candidate of this pair, one target model at a time, and return the Choice.
+
+    Args:
+        loaders: how to load each candidate (Loaders).
+        draft_kinds: the draft kernels to time ("int4", "int8", "none"); empty for no draft.
+        max_gamma: the decoder's γ_max.
+    Returns:
+        the Choice, or None where nothing is timed: an encoder-decoder target, or one with fewer
+        than AUTO_MIN_PARAMETERS parameters (bfloat16 stays).
+    """
+    say = progress or (lambda message: None)
+    target = loaders.target(torch.bfloat16)
+    if target is None or target.num_parameters() < AUTO_MIN_PARAMETERS:
+        return None
+    say("timing this machine's kernels for the target and the draft (once per machine and pair; cached)")
+    vocab = target.get_input_embeddings().num_embeddings
+    context = [(100 + i * 7919) % min(vocab, 30000) for i in range(64)]  # a spread of ordinary ids
+    bf16_bytes = _parameter_bytes(target)
+    # 1. the bfloat16 target, both ways
+    say("timing the bfloat16 target")
+    backends = {"bfloat16": loaders.backend(target, False), "bfloat16-gemv": loaders.backend(target, False)}
+    backends["bfloat16-gemv"].one_row_onednn = False
+    with torch.inference_mode():
+        times = time_interleaved(backends, context, {"bfloat16": SIZES, "bfloat16-gemv": (1,)})
+    _free(backends, target)
+    times["bfloat16-gemv"] = {**times["bfloat16"], 1: times["bfloat16-gemv"][1]}
+    targets = {kernel: _target_cost(t) for kernel, t in times.items()}
+    # 2. the drafts, each kernel in each dtype, interleaved; small models, freed together
+    draft_costs = _time_drafts(loaders, draft_kinds, context, say)
+    # 3. the float32 target, where its best case could beat what was measured
+    if loaders.pack is not None:
+        bound = _float32_bound(2 * bf16_bytes / (memory_bandwidth_gbs() * 1e9), targets, draft_costs, max_gamma)
+        if bound is None:
+            say("timing the float32 target (packed weights)")
+            model = loaders.target(torch.float32)
+            loaders.pack(model, max_gamma + 1)
+            with torch.inference_mode():
+                measured = time_interleaved({"float32-packed": loaders.backend(model, False)}, context,
+                                            {"float32-packed": SIZES})
+            _free(model)
+            targets["float32-packed"] = _target_cost(measured["float32-packed"])
+        else:
+            say(f"float32 target not timed: {bound}")
+    choice = choose(targets, draft_costs, max_gamma=max_gamma)
+    notes = tuple(f"{kernel} target: step {1e3 * cost.step_s:.0f} ms, r(9) {cost.ratio(9):.2f}, "
+                  f"prompt read {1e3 * cost.read_s_per_token:.1f} ms/token" for kernel, cost in targets.items()) + \
+        tuple(f"{kind} {kernel} draft: step {1e3 * cost.step_s:.0f} ms, prompt read "
+              f"{1e3 * cost.read_s_per_token:.1f} ms/token" for (kind, kernel), cost in draft_costs.items())
+    return Choice(**{**asdict(choice), "notes": notes})
+
+
+def _target_cost(t: dict[int, float]) -> TargetCost:
+    return TargetCost(t[1], {k: t[k] / t[1] for k in t if k > 1}, t[max(t)] / max(t) if len(t) > 1 else 0.0)
+
+
+def _time_drafts(loaders: Loaders, kinds: tuple[str, ...], context: list[int], say) -> dict:
+    """{(kind, dtype kernel): DraftCost} for every draft kernel, in bfloat16 (both ways) and, for
+    the integer kernels, with float32 activations. The float draft is left out in float32: its
+    int8 form reads a quarter of its bytes, and it would hold twice the bfloat16 memory."""
+    if not kinds:
+        return {}
+    say(f"timing the draft's kernels ({', '.join(kinds)})")
+    backends, sizes = {}, {}
+    for kind in kinds:
+        model = loaders.draft(kind, torch.bfloat16)
+        for kernel in ("bfloat16", "bfloat16-gemv"):
+            backends[kind, kernel] = loaders.backend(model, True)
+            backends[kind, kernel].one_row_onednn = kernel == "bfloat16"
+            sizes[kind, kernel] = DRAFT_SIZES if kernel == "bfloat16" else (1,)
+        if kind in QUANTIZED_KINDS:
+            # torch's own Module.float: transformers refuses .float() on a model it loaded from
+            # GGUF, though its weights are floats (the integer layers keep their integers)
+            backends[kind, "float32"] = loaders.backend(loaders.draft(kind, torch.float32), True)
+            sizes[kind, "float32"] = DRAFT_SIZES
+    with torch.inference_mode():
+        times = time_interleaved(backends, context, sizes)
+    _free(backends)
+    read = max(DRAFT_SIZES)
+    for kind in kinds:  # the gemv variant's prompt read is bfloat16's own
+        times[kind, "bfloat16-gemv"][read] = times[kind, "bfloat16"][read]
+    return {key: DraftCost(t[1], t[read] / read) for key, t in times.items()}
+
+
+def _float32_bound(step_s: float, targets: dict, drafts: dict, max_gamma: int) -> str | None:
+    """Why the float32 target need not be timed (its best case, a step of step_s and a verify as
+    cheap as a step, still loses to the best measured choice), or None: time it."""
+    best = choose(targets, drafts, max_gamma=max_gamma)
+    optimistic = choose({"float32-packed": TargetCost(step_s, {2: 1.0}, 0.0)}, drafts, max_gamma=max_gamma)
+    if optimistic.rate >= best.rate:
+        return None
+    return (f"even reading its weights once per step at this machine's bandwidth ({1e3 * step_s:.0f} ms) it "
+            f"would reach {optimistic.rate:.1f} tokens/s against {best.rate:.1f} measured")
