@@ -880,7 +880,7 @@ def warm_then_sample(post, model, tokenizer):
 
 
 def test_a_servers_earlier_requests_make_a_later_one_draft_and_its_output_stays_exact(peaked, char_tokenizer):
-    """`serve --draft none --prompt-lookup` (suffix drafts alone): a first request drafts nothing;
+    """`serve --draft none --free-drafts suffix` (suffix drafts alone): a first request drafts nothing;
     after earlier requests, later unseeded ones draft from the server's cache (from their second
     token: a request's first step is plain, and a step leaves room for the target's own token),
     and their outputs follow the target's exact distribution (chi-square over 800, sequences
@@ -893,7 +893,7 @@ def test_a_servers_earlier_requests_make_a_later_one_draft_and_its_output_stays_
 
     model, path = peaked
     exact = model_sequence_probs(model, CONTEXT, LENGTH)
-    s = Server({"target": path}, "--draft", "none", "--prompt-lookup")
+    s = Server({"target": path}, "--draft", "none", "--free-drafts", "suffix")
     try:
         cold, drafted, counts = warm_then_sample(
             lambda body: httpx.post(s.url + "/v1/completions", json=body, timeout=60).json(), model, char_tokenizer)
@@ -902,7 +902,7 @@ def test_a_servers_earlier_requests_make_a_later_one_draft_and_its_output_stays_
     pvalue, categories = pooled_chi2_pvalue(counts, exact)
     assert cold == 0 and drafted > LATER // 2
     assert pvalue > 1e-3 and categories >= 10
-    decoder = SpeculativeDecoder(path, None, dtype="float32", prompt_lookup="suffix", guard=False)
+    decoder = SpeculativeDecoder(path, None, dtype="float32", free_drafts="suffix", guard=False)
     decoder.engine.proposer = UniformQFreeDrafts(decoder.engine.proposer)
     with TestClient(create_app(decoder, model_name="tiny", allowed_hosts=("testserver",))) as client:
         _, drafted, counts = warm_then_sample(lambda body: client.post("/v1/completions", json=body).json(),

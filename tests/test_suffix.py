@@ -167,13 +167,13 @@ def warm_then_sample(decoder, model):
 
 
 def test_earlier_generate_calls_make_a_later_one_draft_and_its_output_stays_exact_chi_square(peaked):
-    """draft=None, prompt_lookup="suffix": nothing drafts on a cold cache; after the earlier calls,
+    """draft=None, free_drafts="suffix": nothing drafts on a cold cache; after the earlier calls,
     later unseeded requests draft from them (from their second token: a request's first step
     is plain, and a step leaves room for the target's own token), a seeded one only from its own
     tokens (none here). The later outputs follow the target's exact distribution (chi-square,
     800 samples, sequences expected fewer than 5 times pooled; fails below 1e-3)."""
     model, path = peaked
-    decoder = SpeculativeDecoder(path, None, dtype="float32", prompt_lookup="suffix", guard=False)
+    decoder = SpeculativeDecoder(path, None, dtype="float32", free_drafts="suffix", guard=False)
     cold, seeded, drafted, counts = warm_then_sample(decoder, model)
     assert cold == 0 and seeded == 0 and drafted > LATER // 2
     pvalue, categories = pooled_chi2_pvalue(counts, model_sequence_probs(model, CONTEXT, LENGTH))
@@ -183,7 +183,7 @@ def test_earlier_generate_calls_make_a_later_one_draft_and_its_output_stays_exac
 def test_the_warm_cache_chi_square_detects_free_drafts_whose_q_is_misreported(peaked):
     # the same test with uniform q reported for the cache's drafts: p < 1e-50 seen
     model, path = peaked
-    decoder = SpeculativeDecoder(path, None, dtype="float32", prompt_lookup="suffix", guard=False)
+    decoder = SpeculativeDecoder(path, None, dtype="float32", free_drafts="suffix", guard=False)
     decoder.engine.proposer = UniformQFreeDrafts(decoder.engine.proposer)
     _, _, drafted, counts = warm_then_sample(decoder, model)
     assert drafted > LATER // 2
