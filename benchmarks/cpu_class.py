@@ -3,7 +3,7 @@ float32 (stock models), side by side in one process: greedy, HumanEval and Spec-
 equal token counts on both sides (EOS does not stop either), interleaved per prompt. Also the
 time to first token: ours (streamed, defaults) against transformers' target alone (one token).
 
-    python benchmarks/cpu_class.py --out docs/cpu_class_NAME [--prompts-per-task 2 --new-tokens 64]
+    python benchmarks/cpu_class.py --out docs/results/cpu_class_NAME [--prompts-per-task 2 --new-tokens 64]
 Emulating an AVX2-only CPU on an AVX-512 one:
     ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 """

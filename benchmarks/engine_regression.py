@@ -5,7 +5,7 @@ named `specdecode_old`:
     git worktree add /tmp/oldtree 5c37114 && mkdir -p /tmp/oldpkg && cp -r /tmp/oldtree/specdecode /tmp/oldpkg/specdecode_old \
         && grep -rl specdecode /tmp/oldpkg/specdecode_old | xargs sed -i 's/\\bspecdecode\\b/specdecode_old/g'
     PYTHONPATH=/tmp/oldpkg python benchmarks/engine_regression.py --prompts 20 --new-tokens 128 \
-        --out docs/engine_regression
+        --out docs/results/engine_regression
 
 Configurations, interleaved per prompt (bench.run_configs): transformers `generate` with the
 target alone (the baseline), the old loop as configured, the new engine as configured; all with

@@ -7,7 +7,7 @@ the decoder as configured (speculative) and with the same target alone (plain), 
 speculative / plain per feature, next to the unconstrained speedup (the issue asks for it to stay
 within 10%). A JSON schema output may end early by EOS: tokens/s counts the tokens it emitted.
 
-    python benchmarks/feature_cost.py --prompts 20 --new-tokens 128 --out docs/feature_cost.md
+    python benchmarks/feature_cost.py --prompts 20 --new-tokens 128 --out docs/results/feature_cost.md
     python benchmarks/feature_cost.py --prompts 1 --new-tokens 8        # smoke
 """
 

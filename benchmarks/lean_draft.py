@@ -7,7 +7,7 @@ draft steps, greedy on its own logits; alternating backends, --repeats rounds. R
 median step time of each, the ratio, and whether the two chose the same tokens (they should:
 the lean forward computes transformers' arithmetic).
 
-    python benchmarks/lean_draft.py --out docs/lean_draft
+    python benchmarks/lean_draft.py --out docs/results/lean_draft
 """
 
 import argparse

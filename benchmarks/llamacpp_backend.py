@@ -11,10 +11,10 @@ Reported: medians over prompts of tokens/s and time to first token, whether raw,
 emitted the same tokens, and the target's costs, raw and through the backend: one-token step,
 r(k) = a k-token llama_decode (logits at all k) over one step, prompt read per token.
 
-    python benchmarks/llamacpp_backend.py --tiny /tmp/tiny --out /tmp/llamacpp_tiny   # random tiny GGUFs
-    python benchmarks/llamacpp_backend.py --out docs/llamacpp_backend                 # the zoo pair, Q4_K_M
-    python benchmarks/llamacpp_backend.py --target-bf16 --out docs/llamacpp_bf16      # the target's bf16 weights
-    python benchmarks/llamacpp_backend.py --costs-only --target-bf16                  # step and r(k) only
+    python benchmarks/llamacpp_backend.py --tiny /tmp/tiny --out /tmp/llamacpp_tiny     # random tiny GGUFs
+    python benchmarks/llamacpp_backend.py --out docs/results/llamacpp_backend           # the zoo pair, Q4_K_M
+    python benchmarks/llamacpp_backend.py --target-bf16 --out docs/results/llamacpp_bf16  # the target's bf16 weights
+    python benchmarks/llamacpp_backend.py --costs-only --target-bf16                    # step and r(k) only
 
 --out PATH writes PATH.json and PATH.md. --tiny DIR builds (once) a random 2-layer Qwen2-architecture
 pair with a byte-level BPE tokenizer in DIR (tests/test_llamacpp.py uses the same builder).

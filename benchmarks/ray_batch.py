@@ -8,7 +8,7 @@ wall time from start to exit (model loading included in both; the Ray run also s
 cluster and its actor), and tokens/s = tokens / wall time. Reported: medians and the ratio
 Ray / local, and the job's own summary line (the local one excludes model loading).
 
-    python benchmarks/ray_batch.py --out docs/ray_batch
+    python benchmarks/ray_batch.py --out docs/results/ray_batch
     python benchmarks/ray_batch.py --prompts 2 --max-tokens 8 --repeats 1 --out /tmp/ray_batch_smoke  # smoke
 """
 

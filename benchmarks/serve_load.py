@@ -7,7 +7,7 @@ side: total tokens/s (all tokens received / wall time of the level), time to fir
 inter-token latency (gap between SSE chunks, per token) p50 and p99. Bounded: every request has a
 timeout, the number of requests is fixed, and the servers are stopped at the end.
 
-    python benchmarks/serve_load.py --out docs/serve_load
+    python benchmarks/serve_load.py --out docs/results/serve_load
 """
 
 import argparse

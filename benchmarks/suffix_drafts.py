@@ -12,7 +12,7 @@ Every proposer decodes every request (interleaved: request i with each before re
 process; the report gives tokens/s, mean tokens per target call and the share of steps whose
 drafts were free (lookup), per workload, and the ratio suffix / lookup.
 
-    python benchmarks/suffix_drafts.py --requests 6 --new-tokens 64 --out docs/suffix_drafts.md
+    python benchmarks/suffix_drafts.py --requests 6 --new-tokens 64 --out docs/results/suffix_drafts.md
     python benchmarks/suffix_drafts.py --requests 1 --new-tokens 8               # smoke
 """
 

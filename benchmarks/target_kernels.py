@@ -3,7 +3,7 @@ k-token call and the prompt read per token, for bfloat16, float32 (torch's defau
 float32 with oneDNN-packed weights (specdecode.models.packed). Medians of rounds that time every
 kind in turn, in one process.
 
-    python benchmarks/target_kernels.py [--out docs/target_kernels_NAME.json]
+    python benchmarks/target_kernels.py [--out docs/results/target_kernels_NAME.json]
 Emulating an AVX2-only CPU on an AVX-512 one:
     ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 """

@@ -1,10 +1,10 @@
 """Which draft quantization (int8 or int4), confidence stop and γ schedule pay: our variants
 against transformers assisted generation (heuristic schedule, given our int8 and int4 drafts),
 interleaved in one process, on HumanEval prompts 20-24 (held out from the 20 prompts of
-docs/bench_code_t0). Prompt lookup is on throughout (it won with and without the adaptive
-schedule in docs/tune_schedule).
+docs/results/bench_code_t0). Prompt lookup is on throughout (it won with and without the adaptive
+schedule in docs/results/tune_schedule).
 
-    python benchmarks/tune_draft.py   # writes docs/tune_draft.{md,json}; ~25 min on 2 cores
+    python benchmarks/tune_draft.py   # writes docs/results/tune_draft.{md,json}; ~25 min on 2 cores
 """
 
 import copy
@@ -66,6 +66,6 @@ body = markdown_table(["configuration", "tokens/s", "speedup", "α̂", "tokens/c
                       [[r["config"], fmt(r["tokens_per_s"]["all"]), f"{r['speedup']['all']:.2f}x", fmt(r.get("alpha_hat")),
                         fmt(r.get("tokens_per_call")),
                         f"{r['draft_share_of_time']:.0%}" if "draft_share_of_time" in r else "–"] for r in rows])
-write("docs/tune_draft", "Draft quantization, confidence stop and γ schedule (held-out HumanEval prompts)",
+write("docs/results/tune_draft", "Draft quantization, confidence stop and γ schedule (held-out HumanEval prompts)",
       meta, body, {"rows": [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in rows]})
 print("\n".join(body))

@@ -1,8 +1,8 @@
 """Which γ schedule and whether prompt lookup pays with the int8 draft: our variants against
 transformers assisted generation (heuristic schedule, given our int8 draft), interleaved in one
-process, on HumanEval prompts 20-24 (held out from the 20 prompts of docs/bench_code_t0).
+process, on HumanEval prompts 20-24 (held out from the 20 prompts of docs/results/bench_code_t0).
 
-    python benchmarks/tune_schedule.py   # writes docs/tune_schedule.{md,json}
+    python benchmarks/tune_schedule.py   # writes docs/results/tune_schedule.{md,json}
 """
 
 import dataclasses
@@ -44,6 +44,6 @@ body = markdown_table(["configuration", "tokens/s", "speedup", "α̂", "tokens/c
                       [[r["config"], fmt(r["tokens_per_s"]["all"]), f"{r['speedup']['all']:.2f}x", fmt(r.get("alpha_hat")),
                         fmt(r.get("tokens_per_call")),
                         f"{r['draft_share_of_time']:.0%}" if "draft_share_of_time" in r else "–"] for r in rows])
-write("docs/tune_schedule", "γ schedule and prompt lookup with the int8 draft", meta, body,
+write("docs/results/tune_schedule", "γ schedule and prompt lookup with the int8 draft", meta, body,
       {"rows": [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in rows]})
 print("\n".join(body))

@@ -9,7 +9,7 @@ from specdecode.engine.cost import expected_tokens
 from specdecode.tune.costs import GAMMA_TOLERANCE, Choice, DraftCost, TargetCost, choose
 
 # The default pair on 2 cores of an AVX-512-BF16 CPU (bfloat16 and MKL float32 whole-model
-# timings; float32 with packed weights from docs/hardware.md's per-layer ratios).
+# timings; float32 with packed weights from docs/auto-configuration.md's per-layer ratios).
 NATIVE_BF16 = {
     "bfloat16": TargetCost(0.219, {2: 0.95, 5: 0.92, 9: 1.10, 17: 1.5}, 0.004),
     "float32-packed": TargetCost(0.403, {2: 1.1, 5: 1.25, 9: 1.4, 17: 2.0}, 0.012),

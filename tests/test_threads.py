@@ -1,5 +1,5 @@
 """engine/threads.py: the engine thread keeps the caller's torch thread count, and the caller's idle
-OpenMP pool is freed when it starts (the speed this buys is measured in docs/serve_load.md)."""
+OpenMP pool is freed when it starts (the speed this buys is measured in docs/results/serve_load.md)."""
 
 import sys
 

@@ -5,7 +5,7 @@ generate-until task, in tasks/), the same scores expected, sample by sample.
     pip install -e '.[models,eval]'
     python benchmarks/lm_eval/compare.py                      # the default pair, float32
     python benchmarks/lm_eval/compare.py --tiny /tmp/tiny     # random tiny models (a minute; the test's)
-    python benchmarks/lm_eval/compare.py --output docs/lm_eval.md
+    python benchmarks/lm_eval/compare.py --output docs/results/lm_eval.md
 
 The server is started as users start it (127.0.0.1, a free port) and driven by lm-eval's
 `local-completions` model: loglikelihood requests send token-id prompts (a list of them per
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=4, help="prompts per request from lm-eval (default 4)")
     parser.add_argument("--limit", type=int, help="only the first N questions of each task")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="loglikelihood difference allowed")
-    parser.add_argument("--output", help="write the results as Markdown here (e.g. docs/lm_eval.md)")
+    parser.add_argument("--output", help="write the results as Markdown here (e.g. docs/results/lm_eval.md)")
     args = parser.parse_args(argv)
 
     if args.tiny:

@@ -18,7 +18,7 @@ from specdecode.config import DecoderConfig
 from specdecode.models import zoo
 
 # alpha and bench write here by default, one new folder per run, so that a run from the clone
-# never overwrites the measurements in docs/ (those pass --out docs/NAME explicitly).
+# never overwrites the measurements in docs/results/ (those pass --out docs/results/NAME explicitly).
 RUNS_DIR = "specdecode-runs"
 DEFAULTS = DecoderConfig()
 

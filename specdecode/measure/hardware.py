@@ -19,7 +19,7 @@ from specdecode.models import kernels
 # The flags that decide which kernels run (x86 and ARM names as /proc/cpuinfo spells them).
 KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
                 "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2", "bf16", "i8mm")
-# Environment variables that make this machine act as an older one (docs/hardware.md: all three
+# Environment variables that make this machine act as an older one (docs/auto-configuration.md: all three
 # emulate an AVX2-only CPU): they must show in every report made under them.
 EMULATION_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 

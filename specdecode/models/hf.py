@@ -107,7 +107,7 @@ class HFCausalLM:
         one_row_onednn: False runs a call of one row and one token (a plain step, a draft step
             alone) without oneDNN, on torch's own matrix-vector kernels: the same bfloat16
             arithmetic (float32 accumulation), and on some CPUs the faster one (AVX-512-BF16
-            Zen 4: a target step 197 against 281 ms, docs/hardware.md). True (default) leaves
+            Zen 4: a target step 197 against 281 ms, docs/auto-configuration.md). True (default) leaves
             torch's choice; dtype="auto" times both (specdecode.measure.autoconfig).
     Raises:
         ValueError: vocab_limit on a model whose LM head is not a plain linear layer.

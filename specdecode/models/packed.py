@@ -7,7 +7,7 @@ MLP projection on an AVX2-only Zen 3. A k-token verify or a prompt read then cos
 one-token steps, and speculation stops paying (paper §3.3 assumes r(k) ≈ 1). oneDNN's JIT
 kernels are chosen by instruction set, not by vendor, and with the weight reordered once into
 their blocked layout a 9-row product reads the weights once: r(9) ≈ 1.4 per layer on an AVX2-only
-CPU (docs/hardware.md). The arithmetic is IEEE float32 (oneDNN's default strict math mode):
+CPU (docs/auto-configuration.md). The arithmetic is IEEE float32 (oneDNN's default strict math mode):
 this is the float32 model, not an approximation of it.
 
 Memory: the packed copy replaces each layer's dense weight, except a weight tied to another
@@ -84,7 +84,7 @@ class WideUpcastLinear(torch.nn.Module):
     Why: without native bfloat16 (AVX2-only CPUs) torch's bfloat16 product of many rows takes a
     slow converting loop: the 1536 → 8960 projection at 150 rows cost 118 ms against 55-70 ms
     converted on the fly, with no copy kept (an AVX2-capped Zen 4; at 32 rows they are level,
-    docs/hardware.md).
+    docs/auto-configuration.md).
 
     Args:
         linear: a bfloat16 nn.Linear (shared, not copied or modified).  min_rows: rows from which

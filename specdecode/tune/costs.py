@@ -5,7 +5,7 @@ The paper's speedup (1 − α^{γ+1}) / ((1 − α)(γc + 1)) assumes that scori
 target step (§3.3). On a CPU that holds only where the multi-row product has a fast kernel: with
 native bfloat16 (AVX-512-BF16, AMX) a 9-token verify costs about one step, without it (AVX2-only
 x86: AMD Zen 2/3, Intel before Sapphire Rapids) four to six, and float32 with packed weights about
-1.4 (docs/hardware.md). So each candidate target kernel is timed for its one-token step T, its
+1.4 (docs/auto-configuration.md). So each candidate target kernel is timed for its one-token step T, its
 k-token cost r(k)·T and its prompt read per token R, each draft kernel and dtype for its step D
 and its own prompt read (any draft goes with any target: the verifier needs only its q). For each
 kernel pair γ_max is the largest γ within GAMMA_TOLERANCE of the best decoding rate
@@ -27,7 +27,7 @@ from specdecode.analysis import expected_tokens
 
 # The acceptance the choice assumes before any request ran: the default pair's α̂ of verified
 # drafts with its int4 draft and confidence stop is 0.90 (code, T=0) and 0.85 (code, T=1), 0.55-0.77
-# on translation and summarization (docs/alpha_int4.md); a lower α only lowers γ.
+# on translation and summarization (docs/results/alpha_int4.md); a lower α only lowers γ.
 PRIOR_ALPHA = 0.85
 # γ_max is the largest γ whose expected rate is within this fraction of the best: the draft's
 # confidence stop ends most blocks before γ_max, so a larger cap costs little where the verify is
@@ -41,7 +41,7 @@ PROMPT_TOKENS, NEW_TOKENS = 150, 128
 # one's is not taken: the dtype is fixed at load, and where acceptance turns out low the guard
 # falls back to plain steps of the chosen kernel, which would then lose to the target alone (on an
 # emulated AVX2 CPU a float32 target verifying cheaply gave 1.55x on a HumanEval prompt and 0.62x
-# on a Spec-Bench qa prompt against bfloat16 plain decoding, docs/hardware.md).
+# on a Spec-Bench qa prompt against bfloat16 plain decoding, docs/auto-configuration.md).
 PLAIN_FLOOR = 0.9
 
 
@@ -90,7 +90,7 @@ class Choice:
     alpha: the α planned for.  notes: what was measured, one line per target kernel.
     The verification rule is not chosen: block verification equals the token-wise rule under
     greedy decoding, costs the same target call, and measured level with it at temperature 1
-    (2.59x against 2.61x, docs/bench_code_t1_20.md); Eq. 1 has no term for its gain.
+    (2.59x against 2.61x, docs/results/bench_code_t1_20.md); Eq. 1 has no term for its gain.
     """
 
     target_kernel: str
