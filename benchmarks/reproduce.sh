@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every measurement quoted in README.md and docs/REPRODUCTION.md, in one command (about 3 hours on
-# 2 idle cores; keep the machine otherwise idle while it runs). Each step writes docs/results/<name>.{md,json,png}.
+# Every measurement quoted in docs/REPRODUCTION.md and in docs/speed.md's first speed round and CPU
+# classes, in one command (about 3 hours on 2 idle cores; keep the machine otherwise idle while it
+# runs). Each step writes docs/results/<name>.{md,json,png}.
 # Runs measured with the defaults of an earlier time spell those defaults out as flags (-k 8
 # --gamma-schedule fixed, --quantize-draft int8). The int8 runs also had the guard of that time,
 # which averaged per-step costs and paused a winning draft now and then (fixed since; see

@@ -1,5 +1,5 @@
 """The `specdecode` command on tiny local models: Ctrl-C, the summary line, usage errors, where alpha
-and bench write, and the README's command-line examples."""
+and bench write, and the command-line examples of README.md and docs/cli.md."""
 
 import io
 import itertools
@@ -22,6 +22,7 @@ from specdecode.cli.generate import summary
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+CLI_DOCS = ROOT / "docs" / "cli.md"
 
 
 # A shell started in the background ignores SIGINT, and its children inherit that; the launcher
@@ -225,19 +226,20 @@ def test_alpha_and_bench_refuse_an_existing_default_folder(command, fake_reports
     assert fake_reports == []
 
 
-def _readme_command_lines(section: str = "") -> list[str]:
-    """The lines of README.md's bash blocks that run specdecode (continuations joined), within the
-    `## section` if given."""
-    text = README.read_text(encoding="utf-8")
+def _doc_command_lines(page: Path = README, section: str = "") -> list[str]:
+    """The lines of a Markdown page's bash blocks that run specdecode (continuations joined), within
+    the `## section` if given."""
+    text = page.read_text(encoding="utf-8")
     if section:
         text = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", text, re.DOTALL)
     return [line for block in blocks for line in block.replace("\\\n", " ").splitlines() if "specdecode " in line]
 
 
-def test_every_prompt_file_the_readme_names_exists():
+def test_every_prompt_file_the_docs_name_exists():
     paths = []
-    for line in _readme_command_lines():
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    for line in [line for page in pages for line in _doc_command_lines(page)]:
         words = shlex.split(line, comments=True)
         paths += [word[1:] for word in words if word.startswith("@")]
         paths += [after for word, after in itertools.pairwise(words) if word == "--prompts-file"]
@@ -245,11 +247,11 @@ def test_every_prompt_file_the_readme_names_exists():
     assert [path for path in paths if not (ROOT / path).is_file()] == []
 
 
-def test_the_readmes_generate_examples_run_as_written_from_the_repo_root(long_model_dirs, monkeypatch, capsys):
+def test_the_cli_docs_generate_examples_run_as_written_from_the_repo_root(long_model_dirs, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     models = ["--target", long_model_dirs["target"], "--draft", long_model_dirs["draft"], "--dtype", "float32"]
     ran = []
-    for line in _readme_command_lines("Command line"):
+    for line in _doc_command_lines(CLI_DOCS, "Examples"):
         piped, _, command = line.rpartition(" | ")
         argv = shlex.split(command, comments=True)
         if argv[:2] != ["specdecode", "generate"] or "--help" in argv:

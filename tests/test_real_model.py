@@ -30,7 +30,7 @@ def float32_plain(float32_decoder):
 
 def test_default_pair_greedy_equals_plain_target_greedy_on_humaneval(float32_decoder, float32_plain):
     # float32: a k-token forward rounds like a 1-token forward closely enough that greedy output
-    # must match token for token (bf16 may differ on near-ties; see README).
+    # must match token for token (bf16 may differ on near-ties; see docs/exactness.md).
     decoder = float32_decoder
     assert {151643, 151645} <= decoder.eos_token_ids  # <|endoftext|> ends raw completions
     assert float32_plain.draft is None and not float32_plain.prompt_lookup

@@ -226,17 +226,18 @@ def test_sigkill_mid_run_then_rerun_gives_every_id_once_and_the_uninterrupted_te
 
 
 def _scale_out_commands() -> list[list[str]]:
-    """The `specdecode ...` command lines of README.md's "Scale out" section."""
+    """The `specdecode ...` command lines of docs/batch-and-scale-out.md's "Commands" section."""
     import re
     import shlex
 
-    text = (ROOT / "README.md").read_text(encoding="utf-8").split("\n## Scale out\n", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "docs" / "batch-and-scale-out.md").read_text(encoding="utf-8")
+    text = page.split("\n## Commands\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", text, re.DOTALL)
     return [shlex.split(line, comments=True) for block in blocks for line in block.splitlines()
             if line.startswith("specdecode ")]
 
 
-def test_the_readmes_scale_out_commands_parse_and_its_local_batch_runs_as_written(model_dirs, tmp_path,
+def test_the_scale_out_docs_commands_parse_and_the_local_batch_runs_as_written(model_dirs, tmp_path,
                                                                                    monkeypatch, capsys):
     from specdecode.cli import build_parser
 

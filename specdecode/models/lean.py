@@ -4,7 +4,7 @@ transformers cache, with an int4 draft's q|k|v and gate|up each fused into one l
 
 Why: at one token per row a 0.5B draft's forward is mostly per-op overhead, not arithmetic. On 2
 cores its int4 matmuls take 8.5 ms of the 19-20 ms that transformers' forward takes
-(torch.profiler; README, "Why HumanEval stops near 2.8x"), and the draft runs about four forwards
+(torch.profiler; docs/speed.md, "Why HumanEval stops near 2.8x"), and the draft runs about four forwards
 per target call. Fusing the projections halves the matmul calls; writing the layers out drops the
 module and keyword plumbing around each op.
 
