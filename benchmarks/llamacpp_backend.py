@@ -205,36 +205,48 @@ class RawLlama:
 
 # --- measurements ---------------------------------------------------------------------------------------
 
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def costs(raw: RawLlama, backend, prompt: list[int], ks: list[int], repeats: int) -> dict:
     """The target's step (ms), r(k) and prompt read (ms per token), raw and through the backend,
-    after reading `prompt`; every k-token call asks logits at all k and is rolled back."""
+    after reading `prompt`; every k-token call asks logits at all k and is rolled back. Raw and
+    backend calls alternate, so a change of load on the machine hits both alike; medians of
+    `repeats` after a warm-up pass (the first passes over freshly mapped weights are slow)."""
     n = len(prompt)
-    out = {"prompt_tokens": n}
-    raw.lib.llama_memory_clear(raw.memory, True)
-    out["raw_read_ms_per_token"] = 1e3 * median_time(lambda: (raw.rollback(0), raw.decode(prompt, 0)), 3) / n
+    token = prompt[-1]
     backend.reset()
     backend.add_row()
 
-    def read():
+    def raw_read():
+        raw.rollback(0)
+        raw.decode(prompt, 0)
+
+    def backend_read():
         backend.truncate([0])
         backend.fill(0, prompt)
-    out["backend_read_ms_per_token"] = 1e3 * median_time(read, 3) / n
-    token = prompt[-1]
-    for label, run in (("raw", lambda k: (raw.decode([token] * k, n, "all"), raw.rollback(n))),
-                       ("backend", lambda k: (backend.forward([[token] * k], k), backend.truncate([n])))):
-        run(1)  # warm
-        step = median_time(lambda: run(1), repeats)
+
+    calls = {"raw": lambda k: (raw.decode([token] * k, n, "all"), raw.rollback(n)),
+             "backend": lambda k: (backend.forward([[token] * k], k), backend.truncate([n]))}
+    times = {(label, k): [] for label in calls for k in [0, 1, *ks]}  # k = 0: the prompt read
+    raw.lib.llama_memory_clear(raw.memory, True)
+    for read in (raw_read, backend_read):
+        read()
+    for _ in range(3):
+        for call in calls.values():
+            call(1)
+    for _ in range(repeats):
+        for k in [0, 1, *ks]:
+            for label, call in calls.items():
+                start = time.perf_counter()
+                if k:
+                    call(k)
+                else:
+                    (raw_read if label == "raw" else backend_read)()
+                times[label, k].append(time.perf_counter() - start)
+    out = {"prompt_tokens": n}
+    for label in calls:
+        step = statistics.median(times[label, 1])
         out[f"{label}_step_ms"] = 1e3 * step
-        out[f"{label}_r"] = {k: median_time(lambda: run(k), repeats) / step for k in ks}
+        out[f"{label}_r"] = {k: statistics.median(times[label, k]) / step for k in ks}
+        out[f"{label}_read_ms_per_token"] = 1e3 * statistics.median(times[label, 0]) / n
     return out
 
 

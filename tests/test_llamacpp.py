@@ -77,7 +77,7 @@ def backend(files, name="target", **options):
     llama.cpp build may carry AMX kernels that fault (test_repacked_q8_0_...)."""
     paths, _ = files
     options.setdefault("n_threads", 1)
-    options.setdefault("repack", name == "target" or name == "draft" or name == "bf16")
+    options.setdefault("repack", name != "q8_0")
     return LlamaCppLM(paths[name], **options)
 
 
