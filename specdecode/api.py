@@ -16,7 +16,7 @@ from specdecode.engine.request import DecodeConfig, GenerationResult, Request, T
 from specdecode.frontend.builder import RequestBuilder, choice_samplings, generation_defaults, is_int as _is_int
 from specdecode.frontend.schema import MAX_CHOICES
 from specdecode.measure.hardware import cpu_report
-from specdecode.models.loading import eos_token_ids, load_tokenizer
+from specdecode.models.loading import load_tokenizer
 from specdecode.models.pair import Pair, check_specs
 from specdecode.proposers import CrossVocabProposer, build_proposer, find_proposer
 from specdecode.sampling import SamplingParams
@@ -103,8 +103,9 @@ class SpeculativeDecoder:
         self.target, self.draft, self.tokenizer = self.pair.target, self.pair.draft, self.pair.tokenizer
         self.num_speculative_tokens, self.free_drafts = self.plan.gamma, self.plan.free_drafts
         self.cross_vocab = config.cross_vocab if self.pair.cross_vocab else None
-        self.eos_token_ids = eos_token_ids(self.target.backend.model, self.tokenizer)
-        self.generation_defaults = generation_defaults(self.target.backend.model) \
+        self.eos_token_ids = self.pair.eos_token_ids
+        # a GGUF file on llama.cpp has no transformers generation_config: nothing to apply
+        self.generation_defaults = generation_defaults(getattr(self.target.backend, "model", None)) \
             if config.use_generation_config else {}
         self.guard_costs = None  # None: no guard
         if config.guard and self.draft is not None:
@@ -135,15 +136,20 @@ class SpeculativeDecoder:
 
     def configuration(self) -> dict:
         """What runs, for reports (`generate --json`, the server's /v1/models, `bench`): {"dtype":
-        the target's dtype, "target_kernel", "draft_dtype" (the draft's: any dtype keeps the output
+        the target's numbers ("bfloat16", "float32", ...; "gguf": its file's own quantization),
+        "backend": "torch" or "llama.cpp", "target_kernel" (specdecode.models.pair.TargetKernel),
+        "target_weights" and "draft_weights" (what each model's numbers are, e.g. "qwen2 1.5B BF16
+        GGUF", "bfloat16, int4 layers"), "draft_dtype" (the draft's: any dtype keeps the output
         exact), "num_speculative_tokens": γ_max (0 without drafts), "free_drafts", "machine": this
         CPU (specdecode.measure.hardware.cpu_report), "choice": why dtype="auto" chose it (None
         when the dtype was given, the target was a model object, or it was too small to time),
         "draft_vocabulary": the shared vocabulary of a draft of another family, or None}."""
-        choice = self.choice
-        return {"dtype": str(self.dtype).removeprefix("torch."),
-                "target_kernel": self.plan.load.target_kernel.value,
-                "draft_dtype": str(self.draft_dtype).removeprefix("torch.") if self.draft is not None else None,
+        choice, kernel = self.choice, self.plan.load.target_kernel
+        return {"dtype": str(self.dtype).removeprefix("torch.") if self.dtype is not None else "gguf",
+                "backend": kernel.backend, "target_kernel": kernel.value, "target_weights": self.target.weights,
+                "draft_weights": self.draft.weights if self.draft is not None else None,
+                "draft_dtype": (str(self.draft_dtype).removeprefix("torch.") if self.draft_dtype is not None
+                                else "gguf") if self.draft is not None else None,
                 "num_speculative_tokens": self.num_speculative_tokens if self.draft is not None or self.free_drafts
                 else 0,
                 "free_drafts": self.free_drafts,

@@ -31,7 +31,7 @@ DEFAULT_VERIFICATION = "token"
 DEFAULT_DRAFT_QUANTIZATION = "int4"
 
 FreeDrafts = Literal["auto", "off", "suffix", "ngram"]
-Quantization = Literal["auto", "none", "int8", "int4"]
+Quantization = Literal["auto", "none", "int8", "int4", "gguf"]
 GammaSchedule = Literal["fixed", "adaptive"]
 Verification = Literal["token", "block"]
 CrossVocab = Literal["auto", "tli", "slem"]
@@ -93,9 +93,11 @@ class DecoderConfig:
         draft_vocab_limit: the draft scores only ids below this (a cheaper LM head; q is zero
             elsewhere); None the whole vocabulary; "auto" (default) the zoo's measured limit for
             zoo drafts, None for others.
-        quantize_draft: "int4" (groups of 32), "int8" (per-row scales), "none", or "auto"
-            (default): int4 for a draft loaded by name or path on the CPU, none otherwise.
-            Weight-only; only the proposal changes, so the output stays exact (paper §3.6).
+        quantize_draft: "int4" (groups of 32), "int8" (per-row scales), "none" (torch, its float
+            weights), "gguf" (its GGUF file as it is, on llama.cpp: a zoo draft or a .gguf path), or
+            "auto" (default): on the CPU the fastest measured where dtype="auto" times them, else
+            int4 (the GGUF file with a llama.cpp target), for a draft loaded by name or path;
+            none otherwise. Only the proposal changes, so the output stays exact (paper §3.6).
     Guard (Cor. 3.9 at run time):
         guard: pause drafting while the request's acceptances say it does not pay, and with two
             or more such requests, on steps where a plain step serves the batch better (engine.
@@ -242,6 +244,10 @@ class DecoderConfig:
         if self.backend == "llama.cpp" and self.dtype in ("float16", "float64"):
             raise ValueError(f"dtype={self.dtype!r} is a torch dtype; the llama.cpp backend takes 'auto', "
                              "'bfloat16', 'float32' or 'gguf'")
+        if self.quantize_draft == "gguf" and (self.device not in (None, "cpu") or self.device_map is not None
+                                              or (self.draft is not None and not isinstance(self.draft, str))):
+            raise ValueError("quantize_draft='gguf' runs the draft's GGUF file on llama.cpp, on the CPU: give the "
+                             "draft as a zoo name or a .gguf path, without device= or device_map=")
         if llama and self.tree_width > 1:
             raise ValueError("token trees (tree_width > 1) need a custom attention mask, which the llama.cpp "
                              "backend does not have; use tree_width=1 or backend='torch'")

@@ -7,6 +7,7 @@ import torch
 
 import specdecode.tune as tune
 from specdecode import SamplingParams, SpeculativeDecoder
+from specdecode.config import DecoderConfig
 from specdecode.models import packed
 from specdecode.tune import cache as choice_cache
 from specdecode.tune import candidates
@@ -30,7 +31,7 @@ ALL_KINDS = ("int4", "int8", "none")
 
 
 def _key(model_dirs, gamma: int = 8) -> str:
-    return choice_cache.cache_key(model_dirs["target"], model_dirs["draft"], gamma, ALL_KINDS)
+    return tune.choice_key(DecoderConfig(model_dirs["target"], model_dirs["draft"], num_speculative_tokens=gamma))
 
 
 def _cached(model_dirs, choice: Choice, gamma: int = 8) -> None:

@@ -39,7 +39,7 @@ PINNED = "llama-cpp-python==0.3.36"
 REQUIRED = (
     "llama_backend_init", "llama_log_set", "llama_print_system_info",
     "llama_model_default_params", "llama_model_load_from_file", "llama_model_free", "llama_model_get_vocab",
-    "llama_model_n_ctx_train", "llama_model_meta_val_str", "llama_model_quantize_default_params",
+    "llama_model_n_ctx_train", "llama_model_meta_val_str", "llama_model_desc", "llama_model_quantize_default_params",
     "llama_model_quantize", "llama_vocab_n_tokens", "llama_vocab_is_eog", "llama_tokenize",
     "llama_context_default_params", "llama_init_from_model", "llama_free", "llama_n_ctx", "llama_decode",
     "llama_get_logits", "llama_get_memory", "llama_memory_clear", "llama_memory_seq_rm", "llama_memory_seq_cp",
@@ -89,6 +89,13 @@ def library():
     lib.llama_backend_init()
     _lib = lib
     return lib
+
+
+def available() -> bool:
+    """Whether llama-cpp-python is installed (without loading llama.cpp)."""
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def system_info() -> str:
@@ -461,6 +468,14 @@ class LlamaCppLM:
             raise RuntimeError(f"llama_tokenize needs {-n} tokens for {len(data)} bytes")
         return list(ids[:n])
 
+    @property
+    def description(self) -> str:
+        """llama.cpp's one-line description of the model: architecture, size and weight type
+        (e.g. "qwen2 1.5B Q4_K - Medium")."""
+        buffer = ctypes.create_string_buffer(256)
+        n = self._lib.llama_model_desc(self._model, buffer, len(buffer))
+        return buffer.value.decode("utf-8", "replace") if n >= 0 else self.path.name
+
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value as text (e.g. "general.architecture"), or None."""
         buffer = ctypes.create_string_buffer(4096)
@@ -530,33 +545,40 @@ def load_gguf(path, **options) -> tuple[LlamaCppLM, object]:
 
 
 def bf16_gguf(source_path, progress: Callable[[str], None] | None = None) -> Path:
-    """The GGUF file with source_path's weights stored as bfloat16, converted once by llama.cpp's
-    own quantize tool (llama_model_quantize, LLAMA_FTYPE_MOSTLY_BF16, requantizing allowed: a
-    Q4_K_M file is dequantized and each weight rounded to bfloat16; 1-D tensors such as norms and
-    biases stay float32) into the cache folder, written through a temporary file and an atomic
-    rename; later calls return the cached file. Its name carries a digest of the source's path,
-    size and modification time, so a changed source is converted again.
+    """converted_gguf(source_path, "bf16"): the same bfloat16 weights torch dequantizes to."""
+    return converted_gguf(source_path, "bf16", progress)
+
+
+def converted_gguf(source_path, kind: str, progress: Callable[[str], None] | None = None) -> Path:
+    """The GGUF file with source_path's weights stored as `kind` ("bf16", "f32", ... : FTYPES),
+    converted once by llama.cpp's own quantize tool (llama_model_quantize, requantizing allowed: a
+    Q4_K_M file is dequantized and each weight rounded to bfloat16 for "bf16"; 1-D tensors such as
+    norms and biases stay float32) into the cache folder, written through a temporary file and an
+    atomic rename; later calls return the cached file. Its name carries a digest of the source's
+    path, size and modification time, so a changed source is converted again.
 
     Raises:
         ImportError: llama-cpp-python missing.  FileNotFoundError: no source file.
-        RuntimeError: llama.cpp failed to convert it.
+        ValueError: unknown kind.  RuntimeError: llama.cpp failed to convert it.
     """
+    if kind not in FTYPES:
+        raise ValueError(f"unknown GGUF weight type {kind!r}; use one of {', '.join(FTYPES)}")
     from specdecode.models.zoo import cache_dir
 
     source = Path(source_path).resolve()
     if not source.is_file():
         raise FileNotFoundError(f"no GGUF file at {str(source)!r}")
     out_dir = cache_dir() / "gguf"
-    target = out_dir / f"{source.stem}-bf16-{_file_key(source)}.gguf"
+    target = out_dir / f"{source.stem}-{kind}-{_file_key(source)}.gguf"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     if progress:
-        progress(f"converting {source.name} to BF16 with llama.cpp (first run only)")
+        progress(f"converting {source.name} to {kind.upper()} with llama.cpp (first run only)")
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=target.name, suffix=".partial")
     os.close(fd)
     try:
-        quantize_gguf(source, tmp, "bf16")
+        quantize_gguf(source, tmp, kind)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

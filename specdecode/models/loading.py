@@ -46,9 +46,11 @@ def check_model_spec(spec) -> None:
     if isinstance(spec, torch.nn.Module) or spec in zoo.ZOO:
         return
     if not isinstance(spec, str) or not spec:
-        raise ValueError(f"model must be a zoo name, a local path or a hub id, got {spec!r}")
-    if os.path.isdir(spec):
+        raise ValueError(f"model must be a zoo name, a local path, a GGUF file or a hub id, got {spec!r}")
+    if os.path.isdir(spec) or (is_gguf(spec) and os.path.isfile(spec)):
         return
+    if is_gguf(spec):
+        raise ValueError(f"GGUF file {spec!r} does not exist")
     looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") > 1 or os.sep + os.sep in spec
     if looks_like_path:
         raise ValueError(f"model path {spec!r} does not exist. Known offline models: {', '.join(zoo.ZOO)}")
@@ -59,6 +61,21 @@ def check_model_spec(spec) -> None:
             f"cannot load model {spec!r}: it is not in the local Hugging Face cache and the hub is "
             f"unreachable from here. Known offline models: {', '.join(zoo.ZOO)}; or pass a local "
             "directory saved with save_pretrained.")
+
+
+def is_gguf(spec) -> bool:
+    """Whether a model spec names a GGUF file (by its extension)."""
+    return isinstance(spec, str) and spec.lower().endswith(".gguf")
+
+
+def gguf_source(spec, progress: Callable[[str], None] | None = None):
+    """The GGUF file a model spec stands for (a zoo name's, assembled if needed, or a .gguf
+    path), or None (a directory, a hub id or a model object: no GGUF for llama.cpp to run)."""
+    from pathlib import Path
+
+    if isinstance(spec, str) and spec in zoo.ZOO:
+        return zoo.gguf_file(spec, progress)
+    return Path(spec).expanduser() if is_gguf(spec) else None
 
 
 def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None = None, device_map=None,
@@ -83,8 +100,25 @@ def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None 
         model, tokenizer = zoo.load_zoo_model(spec, dtype, progress, **placement(device_map, offload_folder))
         return model, tokenizer, spec
     if progress:
-        progress(f"loading {spec}")
+        progress(f"loading {spec}" + (f" (dequantizing to {str(dtype).removeprefix('torch.')})" if is_gguf(spec)
+                                      else ""))
     try:
+        if is_gguf(spec):  # transformers dequantizes every tensor (a llama.cpp backend runs it as is)
+            from transformers.utils import logging as hf_logging
+
+            folder, name = os.path.split(os.path.abspath(os.path.expanduser(spec)))
+            verbosity = hf_logging.get_verbosity()
+            # its advice to compute a GGUF in float32 does not apply: the weights are dequantized
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+            try:
+                model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype,
+                                                             **placement(device_map, offload_folder))
+                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            finally:
+                hf_logging.set_verbosity(verbosity)
+                hf_logging.enable_progress_bar()
+            return model.eval(), tokenizer, spec
         seq2seq = getattr(AutoConfig.from_pretrained(spec), "is_encoder_decoder", False)
         auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
         model = auto.from_pretrained(spec, dtype=dtype, **placement(device_map, offload_folder))

@@ -13,6 +13,7 @@ import copy
 import warnings
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 
 import torch
 
@@ -20,34 +21,52 @@ from specdecode.config import QUANTIZATION_BITS, DecoderConfig
 from specdecode.models import packed, zoo
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.lean import supports as lean_supports
-from specdecode.models.loading import check_model_spec, load_model, parse_device
+from specdecode.models.llamacpp import LlamaCppLM
+from specdecode.models.loading import check_model_spec, eos_token_ids, gguf_source, load_model, parse_device
 from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.models.seq2seq import Seq2SeqLM
 
 
 class TargetKernel(str, Enum):
-    """How the target's products run: a dtype and the kernels behind it."""
+    """How the target's products run: a backend, a numeric model and the kernels behind it."""
 
     BFLOAT16 = "bfloat16"              # torch bfloat16 (oneDNN where torch picks it)
     BFLOAT16_GEMV = "bfloat16-gemv"    # the same, one-row calls on torch's own matrix-vector kernels
     FLOAT32_PACKED = "float32-packed"  # float32; Llama/Qwen2 Linears prepacked for oneDNN where possible
     FLOAT16 = "float16"
     FLOAT64 = "float64"
+    LLAMA_BF16 = "llama.cpp-bf16"      # llama.cpp on a BF16 GGUF of the weights (the bfloat16 model)
+    LLAMA_F32 = "llama.cpp-f32"        # llama.cpp on an F32 GGUF of the weights (the float32 model)
+    LLAMA_GGUF = "llama.cpp-gguf"      # llama.cpp on the GGUF file as it is (its own quantization)
 
     @property
-    def dtype(self) -> torch.dtype:
+    def backend(self) -> str:
+        return "llama.cpp" if self.value.startswith("llama.cpp") else "torch"
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The torch dtype of the numbers (the GGUF file's own quantization: None)."""
         return {"bfloat16": torch.bfloat16, "bfloat16-gemv": torch.bfloat16, "float32-packed": torch.float32,
-                "float16": torch.float16, "float64": torch.float64}[self.value]
+                "float16": torch.float16, "float64": torch.float64, "llama.cpp-bf16": torch.bfloat16,
+                "llama.cpp-f32": torch.float32, "llama.cpp-gguf": None}[self.value]
 
     @classmethod
-    def of_dtype(cls, name: str) -> "TargetKernel":
-        """The kernel of a dtype given by name ("float32" packs where it can)."""
-        return cls.FLOAT32_PACKED if name == "float32" else cls(name)
+    def of(cls, dtype: str, backend: str) -> "TargetKernel":
+        """The kernel a dtype and backend given by name run ("float32" on torch packs where it
+        can; "auto" is bfloat16)."""
+        if dtype == "gguf":
+            return cls.LLAMA_GGUF
+        if backend == "llama.cpp":
+            return cls.LLAMA_F32 if dtype == "float32" else cls.LLAMA_BF16
+        return cls.FLOAT32_PACKED if dtype == "float32" else cls.BFLOAT16 if dtype == "auto" else cls(dtype)
 
 
-# a draft's dtype kernels: "bfloat16-gemv" runs its one-row steps without oneDNN
+# a draft's dtype kernels: "bfloat16-gemv" runs its one-row steps without oneDNN; "llama.cpp" runs
+# its GGUF file as it is (quantization "gguf")
 DRAFT_KERNEL_DTYPES = {"bfloat16": torch.bfloat16, "bfloat16-gemv": torch.bfloat16, "float32": torch.float32,
-                       "float16": torch.float16, "float64": torch.float64}
+                       "float16": torch.float16, "float64": torch.float64, "llama.cpp": None}
+# the GGUF weight type llama.cpp converts a target's file to for each kernel (None: as it is)
+LLAMA_WEIGHTS = {TargetKernel.LLAMA_BF16: "bf16", TargetKernel.LLAMA_F32: "f32", TargetKernel.LLAMA_GGUF: None}
 
 
 @dataclass(frozen=True)
@@ -55,9 +74,11 @@ class LoadPlan:
     """What to load (made by specdecode.tune.plan from a DecoderConfig).
 
     target_kernel: the target's TargetKernel.
-    draft_quantization: "int4" | "int8" | "none": the draft's linear layers; None loads no draft
-        model (plain decoding, or free drafts alone).
+    draft_quantization: "int4" | "int8" | "none": the draft's linear layers (torch); "gguf": its
+        GGUF file as it is, on llama.cpp; None loads no draft model (plain decoding, or free
+        drafts alone).
     draft_kernel: a DRAFT_KERNEL_DTYPES key: the draft's dtype and its one-row kernels.
+    max_rows: the rows a llama.cpp model holds (its sequences; the engine queues requests beyond).
     upcast_wide_reads: bfloat16 products of many rows (prompt reads) run as float32 products of
         the same values: for CPUs without native bfloat16 (models/packed.py).
     """
@@ -66,13 +87,15 @@ class LoadPlan:
     draft_quantization: str | None
     draft_kernel: str = "bfloat16"
     upcast_wide_reads: bool = False
+    max_rows: int = 16
 
 
 @dataclass(frozen=True)
 class Loaded:
-    backend: HFCausalLM | Seq2SeqLM
+    backend: HFCausalLM | Seq2SeqLM | LlamaCppLM
     tokenizer: object
     name: str
+    weights: str = ""  # what the numbers are, for reports ("Q4_K_M GGUF", "bfloat16", ...)
 
 
 def same_tokenizer(target_tokenizer, draft_tokenizer) -> bool:
@@ -129,8 +152,11 @@ class Pair:
         target, draft = model_names(config)
         check_specs(config)
         self.device = parse_device(config.device, target)  # with a device_map: set again once placed
-        self.target = self._load(target, tokenizer, progress, device_map=config.device_map,
-                                 offload_folder=config.offload_folder)
+        if plan.target_kernel.backend == "llama.cpp":
+            self.target = _load_gguf(target, LLAMA_WEIGHTS[plan.target_kernel], plan.max_rows, progress)
+        else:
+            self.target = self._load(target, tokenizer, progress, device_map=config.device_map,
+                                     offload_folder=config.offload_folder)
         if config.device_map is not None:
             self.device = self.target.backend.device  # the draft runs where the target's tokens go in
             if self.device.type != "cpu" and config.quantize_draft in QUANTIZATION_BITS:
@@ -149,16 +175,30 @@ class Pair:
             raise ValueError(f"target {self.target.name!r} uses sliding-window attention; token trees "
                              "(tree_width > 1) need full attention")
         self.draft, self.cross_vocab = None, False
-        if draft is not None and plan.draft_quantization is not None:
+        if draft is not None and plan.draft_quantization == "gguf":
+            self.draft = _load_gguf(draft, None, plan.max_rows, progress)
+        elif draft is not None and plan.draft_quantization is not None:
             own_tokenizer = draft_tokenizer or tokenizer or self.tokenizer
             self.draft = self._load(draft, own_tokenizer, progress, draft_vocab_limit(config),
                                     plan.draft_quantization, asked=config.quantize_draft in QUANTIZATION_BITS)
+            self.draft.backend.one_row_onednn = plan.draft_kernel != "bfloat16-gemv"
+        if self.draft is not None:
             if draft_tokenizer is not None:  # the draft's own, given for a draft loaded by name or path too
-                self.draft = Loaded(self.draft.backend, draft_tokenizer, self.draft.name)
+                self.draft = Loaded(self.draft.backend, draft_tokenizer, self.draft.name, self.draft.weights)
             self.cross_vocab = not same_tokenizer(self.tokenizer, self.draft.tokenizer)
             self._check_pair(config.tree_width)
-            self.draft.backend.one_row_onednn = plan.draft_kernel != "bfloat16-gemv"
-        self._apply_target_kernel(plan, given=not isinstance(target, str), gamma=config.num_speculative_tokens)
+        if isinstance(self.target.backend, HFCausalLM):
+            self._apply_target_kernel(plan, given=not isinstance(target, str), gamma=config.num_speculative_tokens)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that end generation: the model's (its generation config's, or llama.cpp's
+        end-of-generation set), the tokenizer's, and a zoo model's known ones."""
+        backend, tokenizer = self.target.backend, self.tokenizer
+        if isinstance(backend, LlamaCppLM):
+            known = zoo.ZOO[self.target.name].eos_token_ids if self.target.name in zoo.ZOO else ()
+            return frozenset({*backend.eos_token_ids, *known} | ({tokenizer.eos_token_id} - {None}))
+        return eos_token_ids(backend.model, tokenizer)
 
     def _apply_target_kernel(self, plan: LoadPlan, given: bool, gamma: int) -> None:
         backend = self.target.backend
@@ -221,7 +261,24 @@ class Pair:
             prepare_draft_cached(model, bits, None if given else spec, progress)
         if device_map is None and next(model.parameters()).device != self.device:
             model.to(self.device)
-        return Loaded(backend(model, vocab_limit, lean=quantization is not None), tok, name)
+        weights = str(next(model.parameters()).dtype).removeprefix("torch.") + (f", {quantization} layers" if bits else "")
+        return Loaded(backend(model, vocab_limit, lean=quantization is not None), tok, name, weights)
+
+
+def _load_gguf(spec, weights: str | None, max_rows: int, progress) -> Loaded:
+    """A zoo name or GGUF path on llama.cpp: its file as it is (weights None), or converted once
+    to "bf16" or "f32" by llama.cpp (specdecode.models.llamacpp)."""
+    from specdecode.models import llamacpp
+
+    source = gguf_source(spec, progress)
+    if source is None:
+        raise ValueError(f"{spec!r} is not a GGUF file or a zoo name: the llama.cpp backend runs GGUF files "
+                         "(pass backend='torch' for a transformers directory)")
+    path = source if weights is None else llamacpp.converted_gguf(source, weights, progress)
+    if progress:
+        progress(f"loading {Path(path).name} on llama.cpp")
+    model, tokenizer = llamacpp.load_gguf(path, max_rows=max_rows)
+    return Loaded(model, tokenizer, spec if isinstance(spec, str) else str(spec), f"{model.description} GGUF")
 
 
 def backend(model, vocab_limit: int | None = None, lean: bool = False):

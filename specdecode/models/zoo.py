@@ -146,6 +146,16 @@ def assemble_gguf(model: ZooModel, progress: ProgressFn | None = None) -> Path:
     return target
 
 
+def gguf_file(name: str, progress: ProgressFn | None = None) -> Path:
+    """A zoo model's GGUF file: found in its package, or assembled from its parts (once).
+
+    Raises:
+        KeyError: unknown zoo name.  FileNotFoundError / ValueError: see assemble_gguf.
+    """
+    model = ZOO[name]
+    return packaged_gguf(model) if model.package_file else assemble_gguf(model, progress)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -184,7 +194,7 @@ def load_zoo_model(name: str, dtype: torch.dtype, progress: ProgressFn | None = 
         if (cached / "config.json").exists():
             return load_zoo_model(name, dtype, progress, device_map, offload_folder)
         raise ValueError(f"device_map needs {name}'s weight cache in {cached}, which could not be written")
-    gguf = packaged_gguf(model_info) if model_info.package_file else assemble_gguf(model_info, progress)
+    gguf = gguf_file(name, progress)
     if progress:
         progress(f"loading {name} from GGUF (dequantizing to {_dtype_name(dtype)}, first run only)")
     from transformers.utils import logging as hf_logging

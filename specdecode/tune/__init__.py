@@ -18,9 +18,9 @@ import torch
 
 from specdecode.config import DEFAULT_DRAFT_QUANTIZATION, QUANTIZATION_BITS, DecoderConfig
 from specdecode.measure.hardware import cpu_report, describe, native_bfloat16  # moves to tune.hardware
-from specdecode.models import packed
-from specdecode.models.loading import load_model, parse_device
-from specdecode.models.pair import LoadPlan, TargetKernel, backend, draft_vocab_limit, model_names
+from specdecode.models import llamacpp, packed, zoo
+from specdecode.models.loading import gguf_source, is_gguf, load_model, parse_device
+from specdecode.models.pair import LLAMA_WEIGHTS, LoadPlan, TargetKernel, backend, draft_vocab_limit, model_names
 from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.tune import cache
 from specdecode.tune.candidates import Loaders, measure_and_choose
@@ -47,45 +47,104 @@ class Plan:
 
 def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None) -> Plan:
     """The Plan for a validated config on this machine (measuring once per machine and pair where
-    dtype="auto" asks for it; later starts read the choice cache).
+    dtype="auto" or "gguf" asks for it on the CPU; later starts read the choice cache).
 
     Raises:
-        ValueError, FileNotFoundError: a model that cannot be loaded while measuring.
+        ValueError, FileNotFoundError, ImportError: a model that cannot be loaded while measuring,
+            or the llama.cpp backend asked for without llama-cpp-python.
     """
     target, draft = model_names(config)
     device = parse_device(config.device, target)
-    quantization = config.quantize_draft
-    if quantization == "auto":  # int4 for a decoder-only draft we load on the CPU
-        quantization = DEFAULT_DRAFT_QUANTIZATION if isinstance(draft, str) and device.type == "cpu" else "none"
-    static = Plan(LoadPlan(TargetKernel.BFLOAT16 if config.dtype == "auto" else TargetKernel.of_dtype(config.dtype),
-                           None if draft is None else quantization,
-                           "bfloat16" if config.dtype == "auto" else config.dtype),
+    llama = llamacpp.available()
+    if (config.uses_llama_cpp or config.quantize_draft == "gguf") and not llama:
+        llamacpp.library()  # raises the ImportError that says what to install
+    for spec, needed in ((target, config.uses_llama_cpp), (draft, config.quantize_draft == "gguf")):
+        if needed and not has_gguf(spec):
+            raise ValueError(f"{spec!r} is not a GGUF file or a zoo name: the llama.cpp backend runs GGUF files "
+                             "(pass backend='torch' and a torch dtype for a transformers directory)")
+    quantization = _quantization(config)
+    kernel = TargetKernel.of(config.dtype, config.backend)
+    draft_kernel = "llama.cpp" if quantization == "gguf" else _name(kernel.dtype) if kernel.dtype else "bfloat16"
+    static = Plan(LoadPlan(kernel, None if draft is None else quantization, draft_kernel, max_rows=_rows(config)),
                   config.num_speculative_tokens, config.free_drafts_rule)
-    if config.dtype != "auto" or device.type != "cpu" or config.device_map is not None or not isinstance(target, str):
+    if config.dtype not in ("auto", "gguf") or device.type != "cpu" or config.device_map is not None \
+            or not isinstance(target, str):
         return static
-    # every draft kernel the default allows; the one asked for, or a model object's own, alone
-    kinds = () if draft is None else ("int4", "int8", "none") \
-        if config.quantize_draft == "auto" and isinstance(draft, str) else (quantization,)
-    key = cache.cache_key(str(target), None if draft is None else str(draft), config.num_speculative_tokens, kinds)
+    targets, kinds = candidates_of(config, quantization)
+    key = choice_key(config)
     choice = cache.load_choice(key)
     if choice is None:
-        choice = measure_and_choose(_loaders(config, target, draft), kinds, config.num_speculative_tokens, progress)
+        choice = measure_and_choose(_loaders(config, target, draft, progress), targets, kinds,
+                                    config.num_speculative_tokens, progress)
         if choice is None:  # not worth timing: bfloat16 as given
             return static
         cache.save_choice(key, choice)
     if progress:
         progress(f"chose for this machine ({describe(cpu_report())}): {choice.describe()}")
+    upcast = not native_bfloat16()
     if choice.draft_kernel is None:
         # plain decoding measured fastest: no draft, and free drafts only where asked for (their
         # drafts cost a multi-token verify too)
         free = config.free_drafts_rule if config.free_drafts != "auto" else None
-        return Plan(LoadPlan(TargetKernel(choice.target_kernel), None, upcast_wide_reads=not native_bfloat16()),
-                    config.num_speculative_tokens, free, choice)
+        return Plan(LoadPlan(TargetKernel(choice.target_kernel), None, upcast_wide_reads=upcast,
+                             max_rows=_rows(config)), config.num_speculative_tokens, free, choice)
     return Plan(LoadPlan(TargetKernel(choice.target_kernel), choice.draft_kernel, choice.draft_dtype,
-                         upcast_wide_reads=not native_bfloat16()), choice.gamma, config.free_drafts_rule, choice)
+                         upcast_wide_reads=upcast, max_rows=_rows(config)), choice.gamma, config.free_drafts_rule,
+                choice)
 
 
-def _loaders(config: DecoderConfig, target: str, draft) -> Loaders:
+def _quantization(config: DecoderConfig) -> str:
+    """quantize_draft with "auto" resolved for a plan without measuring: on the CPU, a llama.cpp
+    target's draft on llama.cpp too where it has a GGUF file, else int4; "none" elsewhere."""
+    if config.quantize_draft != "auto":
+        return config.quantize_draft
+    _, draft = model_names(config)
+    if not isinstance(draft, str) or parse_device(config.device).type != "cpu":
+        return "none"
+    return "gguf" if config.uses_llama_cpp and has_gguf(draft) else DEFAULT_DRAFT_QUANTIZATION
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _rows(config: DecoderConfig) -> int:
+    """The rows a llama.cpp model is built for: the batch's limit (16 where there is none)."""
+    return config.max_batch_size or 16
+
+
+def has_gguf(spec) -> bool:
+    """Whether a model spec has a GGUF file llama.cpp can run (a zoo name or a .gguf path)."""
+    return isinstance(spec, str) and (spec in zoo.ZOO or is_gguf(spec))
+
+
+def candidates_of(config: DecoderConfig, quantization: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(target kernels, draft kinds) that dtype="auto" (or "gguf") times for this config;
+    quantization: quantize_draft with "auto" resolved as plan() resolves it."""
+    target, draft = model_names(config)
+    llama = llamacpp.available()
+    if config.dtype == "gguf":
+        targets = (TargetKernel.LLAMA_GGUF.value,)
+    else:
+        torch_kernels = ("bfloat16", "float32-packed") if config.backend != "llama.cpp" else ()
+        # token trees need a custom attention mask, which llama.cpp's API lacks
+        llama_kernels = (TargetKernel.LLAMA_BF16.value,) if llama and has_gguf(target) and config.tree_width == 1 \
+            and config.backend != "torch" else ()
+        targets = torch_kernels + llama_kernels
+    kinds = () if draft is None else (quantization,) if config.quantize_draft != "auto" \
+        or not isinstance(draft, str) else ("int4", "int8", "none") + (("gguf",) if llama and has_gguf(draft) else ())
+    return targets, kinds
+
+
+def choice_key(config: DecoderConfig) -> str:
+    """The choice cache's key for this config on this machine (specdecode.tune.cache)."""
+    target, draft = model_names(config)
+    targets, kinds = candidates_of(config, _quantization(config))
+    return cache.cache_key(str(target), None if draft is None else str(draft), config.num_speculative_tokens,
+                           targets + kinds)
+
+
+def _loaders(config: DecoderConfig, target: str, draft, progress=None) -> Loaders:
     """The candidates of this pair, each loaded on demand from names, paths or the draft object."""
     vocab_limit = draft_vocab_limit(config)
 
@@ -105,9 +164,16 @@ def _loaders(config: DecoderConfig, target: str, draft) -> Loaders:
             prepare_draft_cached(model, QUANTIZATION_BITS[kind], draft if isinstance(draft, str) else None)
         return model
 
+    def llama_target(kernel):
+        source = gguf_source(target)
+        weights = LLAMA_WEIGHTS[TargetKernel(kernel)]
+        return llamacpp.LlamaCppLM(source if weights is None else llamacpp.converted_gguf(source, weights, progress),
+                                   max_rows=1)
+
     return Loaders(target=load_target, draft=load_draft,
                    backend=lambda model, is_draft: backend(model, vocab_limit if is_draft else None, lean=is_draft),
-                   pack=packed.pack_linears if packed.available() else None)
+                   pack=packed.pack_linears if packed.available() else None, llama_target=llama_target,
+                   llama_draft=lambda: llamacpp.LlamaCppLM(gguf_source(draft), max_rows=1))
 
 
 def float32(model):

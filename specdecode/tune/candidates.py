@@ -1,11 +1,13 @@
-"""dtype="auto": time this pair's candidate kernels on this machine, one model at a time, and
-choose by Eq. 1 with the measured r(k) (specdecode.tune.costs).
+"""dtype="auto" (and "gguf"): time this pair's candidate kernels on this machine, one model at a
+time, and choose by Eq. 1 with the measured r(k) (specdecode.tune.costs).
 
 Candidates on a CPU. The target: bfloat16 as torch runs it, bfloat16 whose one-row calls skip
-oneDNN for torch's own matrix-vector kernels, and float32 with oneDNN-packed weights
-(specdecode.models.packed). The draft, whose dtype is free (the verifier needs only its q): each
-of its kernels (int4, int8, its float weights; only the one asked for when quantize_draft is
-given) in bfloat16 both ways, and the integer kernels with float32 activations.
+oneDNN for torch's own matrix-vector kernels, float32 with oneDNN-packed weights
+(specdecode.models.packed), and, with llama-cpp-python and a GGUF file, llama.cpp on a BF16 GGUF
+of the same weights (dtype="gguf": llama.cpp on the file as it is). The draft, whose dtype is free
+(the verifier needs only its q): each of its kernels (int4, int8, its float weights; only the one
+asked for when quantize_draft is given) in bfloat16 both ways, the integer kernels with float32
+activations, and its GGUF file as it is on llama.cpp.
 
 Memory. Candidates are loaded one target at a time and freed before the next, so the peak is the
 largest candidate, not their sum. The float32 target (twice the bfloat16 bytes, plus a packed
@@ -48,12 +50,16 @@ class Loaders:
     draft(kind, dtype) -> the draft prepared with that kernel ("int4", "int8", "none").
     backend(model, is_draft) -> the engine backend over it (specdecode.models.hf.HFCausalLM).
     pack(model, rows_hint) -> None: float32 Linears packed for oneDNN, or raises ValueError.
+    llama_target(kernel) -> a llama.cpp backend of the target for that TargetKernel value.
+    llama_draft() -> a llama.cpp backend of the draft's GGUF file as it is.
     """
 
     target: Callable
     draft: Callable
     backend: Callable
     pack: Callable | None
+    llama_target: Callable | None = None
+    llama_draft: Callable | None = None
 
 
 def memory_bandwidth_gbs(gib: float = 1.0) -> float:
@@ -78,40 +84,48 @@ def _free(*objects) -> None:
     gc.collect()
 
 
-def measure_and_choose(loaders: Loaders, draft_kinds: tuple[str, ...], max_gamma: int,
+def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: tuple[str, ...], max_gamma: int,
                        progress: Progress = None) -> Choice | None:
     """Time each candidate of this pair, one target model at a time, and return the Choice.
 
     Args:
         loaders: how to load each candidate (Loaders).
-        draft_kinds: the draft kernels to time ("int4", "int8", "none"); empty for no draft.
+        targets: the target kernels to time (TargetKernel values): "bfloat16" (with its gemv
+            variant, on one model), "float32-packed" (timed only where it could win: see the
+            module doc), "llama.cpp-bf16", "llama.cpp-gguf".
+        draft_kinds: the draft kernels to time ("int4", "int8", "none": torch; "gguf": its GGUF on
+            llama.cpp); empty for no draft.
         max_gamma: the decoder's γ_max.
     Returns:
         the Choice, or None where nothing is timed: an encoder-decoder target, or one with fewer
         than AUTO_MIN_PARAMETERS parameters (bfloat16 stays).
     """
     say = progress or (lambda message: None)
-    target = loaders.target(torch.bfloat16)
-    if target is None or target.num_parameters() < AUTO_MIN_PARAMETERS:
-        return None
-    say("timing this machine's kernels for the target and the draft (once per machine and pair; cached)")
-    vocab = target.get_input_embeddings().num_embeddings
-    context = [(100 + i * 7919) % min(vocab, 30000) for i in range(64)]  # a spread of ordinary ids
-    bf16_bytes = _parameter_bytes(target)
-    # 1. the bfloat16 target, both ways
-    say("timing the bfloat16 target")
-    backends = {"bfloat16": loaders.backend(target, False), "bfloat16-gemv": loaders.backend(target, False)}
-    backends["bfloat16-gemv"].one_row_onednn = False
-    with torch.inference_mode():
-        times = time_interleaved(backends, context, {"bfloat16": SIZES, "bfloat16-gemv": (1,)})
-    _free(backends, target)
-    times["bfloat16-gemv"] = {**times["bfloat16"], 1: times["bfloat16-gemv"][1]}
-    targets = {kernel: _target_cost(t) for kernel, t in times.items()}
-    # 2. the drafts, each kernel in each dtype, interleaved; small models, freed together
+    costs, bf16_bytes, context = {}, None, None
+    if "bfloat16" in targets:
+        model = loaders.target(torch.bfloat16)
+        if model is None or model.num_parameters() < AUTO_MIN_PARAMETERS:
+            return None
+        say("timing this machine's kernels for the target and the draft (once per machine and pair; cached)")
+        context = _context(model.get_input_embeddings().num_embeddings)
+        bf16_bytes = _parameter_bytes(model)
+        say("timing the bfloat16 target")
+        backends = {"bfloat16": loaders.backend(model, False), "bfloat16-gemv": loaders.backend(model, False)}
+        backends["bfloat16-gemv"].one_row_onednn = False
+        with torch.inference_mode():
+            times = time_interleaved(backends, context, {"bfloat16": SIZES, "bfloat16-gemv": (1,)})
+        _free(backends, model)
+        times["bfloat16-gemv"] = {**times["bfloat16"], 1: times["bfloat16-gemv"][1]}
+        costs.update({kernel: _target_cost(t) for kernel, t in times.items()})
+    for kernel in (k for k in targets if k.startswith("llama.cpp")):
+        say(f"timing the target on llama.cpp ({kernel})")
+        backend = loaders.llama_target(kernel)
+        context = context or _context(backend.num_embeddings)
+        costs[kernel] = _target_cost(time_interleaved({kernel: backend}, context, {kernel: SIZES})[kernel])
+        _free(backend)
     draft_costs = _time_drafts(loaders, draft_kinds, context, say)
-    # 3. the float32 target, where its best case could beat what was measured
-    if loaders.pack is not None:
-        bound = _float32_bound(2 * bf16_bytes / (memory_bandwidth_gbs() * 1e9), targets, draft_costs, max_gamma)
+    if "float32-packed" in targets and loaders.pack is not None and bf16_bytes is not None:
+        bound = _float32_bound(2 * bf16_bytes / (memory_bandwidth_gbs() * 1e9), costs, draft_costs, max_gamma)
         if bound is None:
             say("timing the float32 target (packed weights)")
             model = loaders.target(torch.float32)
@@ -120,15 +134,19 @@ def measure_and_choose(loaders: Loaders, draft_kinds: tuple[str, ...], max_gamma
                 measured = time_interleaved({"float32-packed": loaders.backend(model, False)}, context,
                                             {"float32-packed": SIZES})
             _free(model)
-            targets["float32-packed"] = _target_cost(measured["float32-packed"])
+            costs["float32-packed"] = _target_cost(measured["float32-packed"])
         else:
             say(f"float32 target not timed: {bound}")
-    choice = choose(targets, draft_costs, max_gamma=max_gamma)
+    choice = choose(costs, draft_costs, max_gamma=max_gamma)
     notes = tuple(f"{kernel} target: step {1e3 * cost.step_s:.0f} ms, r(9) {cost.ratio(9):.2f}, "
-                  f"prompt read {1e3 * cost.read_s_per_token:.1f} ms/token" for kernel, cost in targets.items()) + \
+                  f"prompt read {1e3 * cost.read_s_per_token:.1f} ms/token" for kernel, cost in costs.items()) + \
         tuple(f"{kind} {kernel} draft: step {1e3 * cost.step_s:.0f} ms, prompt read "
               f"{1e3 * cost.read_s_per_token:.1f} ms/token" for (kind, kernel), cost in draft_costs.items())
     return Choice(**{**asdict(choice), "notes": notes})
+
+
+def _context(vocab: int) -> list[int]:
+    return [(100 + i * 7919) % min(vocab, 30000) for i in range(64)]  # a spread of ordinary ids
 
 
 def _target_cost(t: dict[int, float]) -> TargetCost:
@@ -143,7 +161,10 @@ def _time_drafts(loaders: Loaders, kinds: tuple[str, ...], context: list[int], s
         return {}
     say(f"timing the draft's kernels ({', '.join(kinds)})")
     backends, sizes = {}, {}
-    for kind in kinds:
+    if "gguf" in kinds:
+        backends["gguf", "llama.cpp"] = loaders.llama_draft()
+        sizes["gguf", "llama.cpp"] = DRAFT_SIZES
+    for kind in (k for k in kinds if k != "gguf"):
         model = loaders.draft(kind, torch.bfloat16)
         for kernel in ("bfloat16", "bfloat16-gemv"):
             backends[kind, kernel] = loaders.backend(model, True)
@@ -158,7 +179,7 @@ def _time_drafts(loaders: Loaders, kinds: tuple[str, ...], context: list[int], s
         times = time_interleaved(backends, context, sizes)
     _free(backends)
     read = max(DRAFT_SIZES)
-    for kind in kinds:  # the gemv variant's prompt read is bfloat16's own
+    for kind in (k for k in kinds if k != "gguf"):  # the gemv variant's prompt read is bfloat16's own
         times[kind, "bfloat16-gemv"][read] = times[kind, "bfloat16"][read]
     return {key: DraftCost(t[1], t[read] / read) for key, t in times.items()}
 
