@@ -129,6 +129,7 @@ def test_batched_loop_matches_target_distribution_chi_square():
     assert min(batched_sequence_counts(TableModel)) > 1e-3
 
 
+@pytest.mark.slow
 def test_batched_loop_with_per_row_prompt_lookup_matches_target_distribution_chi_square():
     # The same test with prompt lookup choosing per row (repetitive prompts: lookup hits) and the
     # draft model batching the rest; 1000 batches, significance 1e-3 per prompt.

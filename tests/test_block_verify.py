@@ -125,6 +125,7 @@ def test_block_enumeration_has_power():
         assert max(abs(got.get(s, 0.0) - prob) for s, prob in expected.items()) > 1e-3
 
 
+@pytest.mark.slow
 def test_block_step_samples_the_backward_scan_chi_square():
     # 200k identical prefixes, k = 2, vocab 4, context-dependent p and q: the joint distribution of
     # (τ, emitted tokens) from block_step against the exact one. Seed 5, significance 1e-4; a
@@ -220,6 +221,7 @@ def test_block_step_same_seed_same_output_and_padded_draft_vocab():
     pytest.param(lambda d: FallbackProposer(PromptLookupProposer(4, max_ngram=2, min_ngram=1), DraftModelProposer(d)),
                  marks=pytest.mark.slow),
 ], ids=["fixed-gamma", "confidence-stop", "lookup+draft"])
+@pytest.mark.slow
 def test_block_loop_matches_target_distribution_chi_square(make_proposer):
     # 3000 seeded runs (seeds 0..2999) of the engine with block verification (k=3, 3 tokens,
     # vocab 4 → 64 sequences); significance 1e-3. Dynamic γ (confidence stop) and one-hot lookup
@@ -228,11 +230,13 @@ def test_block_loop_matches_target_distribution_chi_square(make_proposer):
     assert chi2_pvalue(observed, probs) > 1e-3
 
 
+@pytest.mark.slow
 def test_block_loop_chi_square_detects_a_proposer_that_misreports_q():
     observed, probs = loop_sequence_counts(MislabelledProposer, SamplingParams(), runs=3000, verification="block")
     assert chi2_pvalue(observed, probs) < 1e-6
 
 
+@pytest.mark.slow
 def test_block_loop_keeps_more_drafts_than_token_loop_on_tables():
     # Same tables, same seeds 0..199: the block rule keeps more drafts per target call (about 18%
     # more on these tables, measured over seeds 5000..5299 too; the test asks for 8%).

@@ -69,6 +69,7 @@ def _generate_forever(dirs, *extra) -> list[str]:
             "--temperature", "0", "--max-new-tokens", "100000", *extra]
 
 
+@pytest.mark.slow
 def test_ctrl_c_keeps_the_streamed_text_ends_the_line_and_exits_130(long_model_dirs):
     proc = _start(_generate_forever(long_model_dirs, "--quiet"))
     try:
@@ -85,6 +86,7 @@ def test_ctrl_c_keeps_the_streamed_text_ends_the_line_and_exits_130(long_model_d
     assert err.decode().splitlines() == ["specdecode: interrupted"]
 
 
+@pytest.mark.slow
 def test_ctrl_c_with_json_prints_nothing_on_stdout_and_one_line_on_stderr(long_model_dirs):
     proc = _start(_generate_forever(long_model_dirs, "--json", "--no-guard"))
     try:

@@ -63,12 +63,14 @@ def tli_pvalues(proposer_class, batches):
     return sequence_pvalues(target, prompts, counts, length)
 
 
+@pytest.mark.slow
 def test_tli_with_a_foreign_vocabulary_matches_the_target_distribution_chi_square():
     # 1500 batches of 3 rows (vocab 5, 3 tokens: 125 sequences per prompt), seeds 0..4499;
     # each prompt's test fails at significance 1e-3.
     assert min(tli_pvalues(CrossVocabProposer, 1500)) > 1e-3
 
 
+@pytest.mark.slow
 def test_chi_square_detects_a_tli_whose_q_is_not_what_it_sampled_from():
     assert min(tli_pvalues(HalfQ, 500)) < 1e-6
 

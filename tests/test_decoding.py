@@ -253,6 +253,7 @@ def test_nothing_after_a_stop_is_counted():
     assert s.num_accepted == 1 and s.num_drafted == 1 and s.accepted_per_position == [1, 0, 0, 0, 0]
 
 
+@pytest.mark.slow
 def test_alpha_estimate_measures_the_per_token_acceptance_probability():
     # Context-free tables: β = Σ min(p, q) is the same after every prefix, so α = β exactly.
     target, draft = TableModel(6, order=1, seed=0), TableModel(6, order=1, seed=1)
@@ -286,6 +287,7 @@ def test_adaptive_gamma_grows_while_blocks_are_accepted_and_shrinks_after_misses
     assert calls[:5] == [4, 3, 2, 1, 1]
 
 
+@pytest.mark.slow
 def test_adaptive_gamma_keeps_the_target_distribution_chi_square():
     observed, probs = loop_sequence_counts(lambda d: DraftModelProposer(d, 0.5), SamplingParams(), runs=3000,
                                            gamma_schedule="adaptive")

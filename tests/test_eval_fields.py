@@ -67,6 +67,7 @@ AT_LEAST_2 = SamplingParams(min_tokens=2)
     lambda d: FallbackProposer(PromptLookupProposer(4, max_ngram=2, min_ngram=1), DraftModelProposer(d)),
 ], ids=["draft", "lookup+draft"])
 @pytest.mark.parametrize("sampling, eos", [(BIASED, None), (AT_LEAST_2, EOS)], ids=["logit_bias", "min_tokens"])
+@pytest.mark.slow
 def test_sampling_matches_the_transformed_target_chi_square(sampling, eos, make_proposer):
     # 3000 seeded runs (vocab 4, up to 3 tokens); significance 1e-3
     observed, probs = _counts(sampling, 3000, eos, make_proposer)
@@ -74,6 +75,7 @@ def test_sampling_matches_the_transformed_target_chi_square(sampling, eos, make_
 
 
 @pytest.mark.parametrize("sampling, eos", [(BIASED, None), (AT_LEAST_2, EOS)], ids=["logit_bias", "min_tokens"])
+@pytest.mark.slow
 def test_chi_square_detects_a_transform_that_reaches_the_draft_only(monkeypatch, sampling, eos):
     # the test has power: p without the bias (or the EOS mask) while q keeps it is caught. (The
     # opposite, p with it and q without, stays exact: the rejection rule corrects any q.)

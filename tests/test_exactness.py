@@ -32,6 +32,7 @@ STAT_PARAMS = [SamplingParams(), SamplingParams(top_k=3), SamplingParams(top_p=0
     lambda d: DraftModelProposer(d, confidence_threshold=0.5),
     lambda d: FallbackProposer(PromptLookupProposer(4, max_ngram=2, min_ngram=1), DraftModelProposer(d)),
 ], ids=["fixed-gamma", "confidence-stop", "lookup+draft"])
+@pytest.mark.slow
 def test_decoding_loop_matches_target_distribution_chi_square(params, make_proposer):
     # 3000 seeded runs of the full loop (k=3, 3 tokens, vocab 4 → 64 sequences); the test fails
     # at significance 1e-3 (a correct implementation fails it 1 time in 1000).
@@ -39,6 +40,7 @@ def test_decoding_loop_matches_target_distribution_chi_square(params, make_propo
     assert chi2_pvalue(observed, probs) > 1e-3
 
 
+@pytest.mark.slow
 def test_chi_square_test_detects_a_proposer_that_misreports_q():
     observed, probs = loop_sequence_counts(MislabelledProposer, SamplingParams(), runs=3000)
     assert chi2_pvalue(observed, probs) < 1e-6

@@ -94,6 +94,7 @@ def test_the_matcher_agrees_with_the_hand_written_grammar(table_grammar):
     lambda d: DraftModelProposer(d),
     lambda d: FallbackProposer(PromptLookupProposer(5, max_ngram=2, min_ngram=1), DraftModelProposer(d)),
 ], ids=["draft", "lookup+draft"])
+@pytest.mark.slow
 def test_constrained_sampling_matches_the_masked_target_chi_square(table_grammar, make_proposer):
     # 3000 seeded runs at T = 1 (3 tokens); significance 1e-3. Sequences the grammar forbids have
     # probability 0, so a single one fails the test.
@@ -101,6 +102,7 @@ def test_constrained_sampling_matches_the_masked_target_chi_square(table_grammar
     assert chi2_pvalue(observed, probs) > 1e-3
 
 
+@pytest.mark.slow
 def test_chi_square_detects_a_mask_on_the_draft_side_only(table_grammar, monkeypatch):
     import specdecode.engine.engine as engine
     from specdecode.grammar import GrammarState

@@ -114,6 +114,7 @@ class CoinGuard(SpeculationGuard):
         return speculate
 
 
+@pytest.mark.slow
 def test_guarded_loop_keeps_the_target_distribution_chi_square(monkeypatch):
     monkeypatch.setattr("specdecode.engine.policy.SpeculationGuard", CoinGuard)
     observed, probs = loop_sequence_counts(lambda d: DraftModelProposer(d), SamplingParams(), runs=3000,

@@ -59,6 +59,7 @@ def test_lenient_sequence_distribution_is_bounded_by_p_over_l(lenience):
 
 
 @pytest.mark.parametrize("lenience", [1.0, 0.2])
+@pytest.mark.slow
 def test_decoding_loop_follows_the_lenient_rule_chi_square(lenience):
     # 3000 seeded loop runs (vocab 4, k=3, 3 tokens → 64 sequences) against the exact enumeration
     # of the lenient rule, significance 1e-3. At l = 0.2 the same counts must also clearly FAIL

@@ -82,6 +82,7 @@ def pair_dirs(tmp_path_factory, request):
     return str(root / "target"), str(root / "draft")
 
 
+@pytest.mark.slow
 def test_alpha_command_writes_its_report(pair_dirs, tmp_path, capsys):
     out = tmp_path / "alpha"
     assert main(["alpha", "--quick", "--target", pair_dirs[0], "--draft", pair_dirs[1], "--dtype", "float32",
@@ -97,6 +98,7 @@ def test_alpha_command_writes_its_report(pair_dirs, tmp_path, capsys):
     assert "α the paper's way" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_command_writes_its_report(pair_dirs, tmp_path):
     out = tmp_path / "bench"
     assert main(["bench", "--quick", "--target", pair_dirs[0], "--draft", pair_dirs[1], "--dtype", "float32",
@@ -125,6 +127,7 @@ def test_measurement_usage_errors_exit_2(args, match, capsys):
     assert exit_info.value.code == 2 and match in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_lenience_and_batch_rows(pair_dirs, tmp_path):
     out = tmp_path / "bench"
     assert main(["bench", "--quick", "--target", pair_dirs[0], "--draft", pair_dirs[1], "--dtype", "float32",
@@ -190,6 +193,7 @@ def test_missing_bench_extras_fail_before_any_model_loads(monkeypatch, capsys):
         assert exit_info.value.code == 2 and "specdecode[bench]" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_compare_verification_rows(pair_dirs, tmp_path):
     out = tmp_path / "bench"
     assert main(["bench", "--prompts", "1", "--new-tokens", "8", "--repeats", "1", "--target", pair_dirs[0],

@@ -204,12 +204,14 @@ PENALIZED = SamplingParams(repetition_penalty=2.5, presence_penalty=1.5, frequen
     lambda d: DraftModelProposer(d),
     lambda d: FallbackProposer(PromptLookupProposer(4, max_ngram=2, min_ngram=1), DraftModelProposer(d)),
 ], ids=["draft", "lookup+draft"])
+@pytest.mark.slow
 def test_penalized_sampling_matches_the_penalized_target_chi_square(make_proposer):
     # 3000 seeded runs (vocab 4, 3 tokens → 64 sequences); significance 1e-3
     observed, probs = _counts(make_proposer, PENALIZED, 3000)
     assert chi2_pvalue(observed, probs) > 1e-3
 
 
+@pytest.mark.slow
 def test_chi_square_detects_penalties_ignored_on_the_target_side(monkeypatch):
     # the test has power: a loop whose p ignores the penalties (q keeps them) is caught
     import specdecode.engine.engine as engine
@@ -221,6 +223,7 @@ def test_chi_square_detects_penalties_ignored_on_the_target_side(monkeypatch):
     assert chi2_pvalue(observed, probs) < 1e-6
 
 
+@pytest.mark.slow
 def test_processor_sampling_matches_chi_square():
     ban_last = lambda ids, scores: scores.index_fill(1, ids[0, -1:], float("-inf"))  # noqa: E731
     observed, probs = _counts(lambda d: DraftModelProposer(d), SamplingParams(), 3000, procs=[ban_last])

@@ -140,6 +140,7 @@ def test_lines_are_checked_like_server_bodies_before_any_model_loads(model_dirs,
 
 
 @pytest.mark.parametrize("signum,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.slow
 def test_ctrl_c_or_sigterm_stops_the_job_with_a_summary_keeping_whole_lines(model_dirs, uninterrupted, tmp_path,
                                                                             signum, status):
     inp, expected = uninterrupted
@@ -197,10 +198,9 @@ def uninterrupted(model_dirs, tmp_path_factory):
     return inp, expected
 
 
-# The goal: no row lost or duplicated in 3 runs out of 3, killed early, midway and late (the
-# README's test command runs the midway one).
-@pytest.mark.parametrize("kill_after", [4, pytest.param(1, marks=pytest.mark.slow),
-                                        pytest.param(16, marks=pytest.mark.slow)])
+# The goal: no row lost or duplicated in 3 runs out of 3, killed early, midway and late.
+@pytest.mark.parametrize("kill_after", [4, 1, 16])
+@pytest.mark.slow
 def test_sigkill_mid_run_then_rerun_gives_every_id_once_and_the_uninterrupted_texts(model_dirs, uninterrupted,
                                                                                     tmp_path, kill_after):
     inp, expected = uninterrupted

@@ -23,6 +23,7 @@ def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().split("\n") if line]
 
 
+@pytest.mark.slow
 def test_ray_data_records_equal_the_local_run_and_resume_skips_written_ids(model_dirs, tmp_path, capfd):
     rows = [{"id": f"r{i}", "prompt": p} for i, p in enumerate(PROMPTS)] + ["not json", {"prompt": "ace", "top_p": 2}]
     inp = tmp_path / "in.jsonl"

@@ -133,6 +133,7 @@ def complete(url, prompt, **kw):
     return client(url).completions.create(**args)
 
 
+@pytest.mark.slow
 def test_two_replicas_answer_concurrent_requests_with_the_one_process_text(replicas, one_process):
     prompts = PROMPTS * 2
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:

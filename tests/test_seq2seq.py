@@ -269,6 +269,7 @@ def seq2seq_loop_counts(pair, make_proposer, runs):
     return pooled([counts[s] for s in seqs], [expected[s] for s in seqs], runs)
 
 
+@pytest.mark.slow
 def test_seq2seq_sampling_matches_target_distribution_chi_square(dist_pair):
     # 2000 seeded runs (vocab 6, 3 tokens → 216 sequences, γ = 2), significance 1e-3: a correct
     # implementation fails 1 time in 1000.
@@ -276,6 +277,7 @@ def test_seq2seq_sampling_matches_target_distribution_chi_square(dist_pair):
     assert chi2_pvalue(observed, probs) > 1e-3
 
 
+@pytest.mark.slow
 def test_seq2seq_chi_square_detects_a_proposer_that_misreports_q(dist_pair):
     observed, probs = seq2seq_loop_counts(dist_pair, MislabelledProposer, runs=1000)
     assert chi2_pvalue(observed, probs) < 1e-6

@@ -269,6 +269,7 @@ def test_a_client_that_disconnects_mid_stream_aborts_only_its_row(server):
     assert metric(server, "specdecode:requests_total") > aborted_before
 
 
+@pytest.mark.slow
 def test_a_full_queue_answers_429_with_retry_after_and_recovers(chat_model_dirs):
     server = Server(chat_model_dirs, "--max-batch-size", "1", "--max-queue", "1")
     try:
@@ -285,6 +286,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_recovers(chat_model_dirs)
         assert server.stop() == 0
 
 
+@pytest.mark.slow
 def test_api_key_is_required_when_set(chat_model_dirs):
     server = Server(chat_model_dirs, "--api-key", "s3cret", "--draft", "none")
     try:
@@ -296,6 +298,7 @@ def test_api_key_is_required_when_set(chat_model_dirs):
         assert server.stop() == 0
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_stream_ends_it_and_exits_zero(chat_model_dirs):
     server = Server(chat_model_dirs)
     body = {"model": "tiny", "prompt": "abc", "max_tokens": 240, "temperature": 0, "stream": True}
@@ -455,6 +458,7 @@ def test_streamed_chunks_carry_live_speculation_stats(server):
     assert calls == sorted(calls) and len(set(calls)) == len(calls)  # a snapshot per step, not one shared object
 
 
+@pytest.mark.slow
 def test_sigterm_with_queued_work_ends_every_request_cleanly(chat_model_dirs):
     server = Server(chat_model_dirs, "--max-batch-size", "1")
     body = {"model": "tiny", "prompt": "abc", "max_tokens": 250, "temperature": 0}
@@ -787,6 +791,7 @@ def test_error_types_and_odd_text_get_clear_answers(server):
     assert chat_surrogate.status_code == 400 and "Unicode" in chat_surrogate.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_slow_clients_are_cut_off_allowed_sites_work_and_ctrl_c_exits_130(chat_model_dirs):
     s = Server(chat_model_dirs, "--timeout-request", "2", "--allowed-origins", "https://app.example",
                "--allowed-hosts", "box.internal")
@@ -822,6 +827,7 @@ def test_slow_clients_are_cut_off_allowed_sites_work_and_ctrl_c_exits_130(chat_m
         assert s.process.wait(timeout=60) == 130
 
 
+@pytest.mark.slow
 def test_a_client_that_stops_sending_its_body_is_counted_as_aborted_not_as_a_server_error(chat_model_dirs):
     """Headers announcing 1000 bytes, 10 bytes, then silence past --timeout-request: the server
     closes the connection and counts a client abort (as for a client gone while waiting for its
@@ -879,6 +885,7 @@ def warm_then_sample(post, model, tokenizer):
     return cold, drafted, counts
 
 
+@pytest.mark.slow
 def test_a_servers_earlier_requests_make_a_later_one_draft_and_its_output_stays_exact(peaked, char_tokenizer):
     """`serve --draft none --free-drafts suffix` (suffix drafts alone): a first request drafts nothing;
     after earlier requests, later unseeded ones draft from the server's cache (from their second

@@ -119,6 +119,7 @@ def suffix_pvalues(proposer_class, batches):
     return sequence_pvalues(target, prompts, counts, length), lookups
 
 
+@pytest.mark.slow
 def test_suffix_drafts_with_the_cache_match_the_target_distribution_chi_square():
     # 1000 batches of 3 rows (vocab 4, 3 tokens: 64 sequences per prompt), seeds 0..2999;
     # each prompt's test fails at significance 1e-3.
@@ -126,6 +127,7 @@ def test_suffix_drafts_with_the_cache_match_the_target_distribution_chi_square()
     assert min(pvalues) > 1e-3 and lookups > 1000
 
 
+@pytest.mark.slow
 def test_chi_square_detects_a_suffix_proposer_whose_q_is_not_what_it_proposed():
     # 300 batches: the exact test's bar (every prompt above 1e-3) fails by far (p < 1e-30 seen)
     pvalues, _ = suffix_pvalues(WrongQ, 300)
@@ -166,6 +168,7 @@ def warm_then_sample(decoder, model):
     return cold, seeded, drafted, counts
 
 
+@pytest.mark.slow
 def test_earlier_generate_calls_make_a_later_one_draft_and_its_output_stays_exact_chi_square(peaked):
     """draft=None, free_drafts="suffix": nothing drafts on a cold cache; after the earlier calls,
     later unseeded requests draft from them (from their second token: a request's first step
@@ -180,6 +183,7 @@ def test_earlier_generate_calls_make_a_later_one_draft_and_its_output_stays_exac
     assert pvalue > 1e-3 and categories >= 10
 
 
+@pytest.mark.slow
 def test_the_warm_cache_chi_square_detects_free_drafts_whose_q_is_misreported(peaked):
     # the same test with uniform q reported for the cache's drafts: p < 1e-50 seen
     model, path = peaked

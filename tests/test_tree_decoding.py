@@ -44,12 +44,14 @@ class WrongSiblingQ(DraftModelProposer):
         4, max_ngram=2, min_ngram=1), DraftModelProposer(d, 0.5, tree_width=2, tree_confidence=1.0)),
         marks=pytest.mark.slow),
 ], ids=["width2-everywhere", "width3-uncertain-topk3", "lookup+tree-confidence-stop"])
+@pytest.mark.slow
 def test_tree_loop_matches_target_distribution_chi_square(params, make_proposer):
     # 3000 seeded runs (seeds 0..2999), k=3, 3 tokens, vocab 4 → 64 sequences; significance 1e-3.
     observed, probs = loop_sequence_counts(make_proposer, params, runs=3000)
     assert chi2_pvalue(observed, probs) > 1e-3
 
 
+@pytest.mark.slow
 def test_tree_chi_square_detects_siblings_reported_with_the_wrong_q():
     # Power: the same test rejects a proposer whose siblings carry the chain token's q.
     observed, probs = loop_sequence_counts(lambda d: WrongSiblingQ(d, tree_width=3, tree_confidence=1.0),

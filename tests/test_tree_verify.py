@@ -123,6 +123,7 @@ def test_tree_walk_emits_the_target_sequence_distribution(params):
         assert abs(got.get(seq, 0.0) - prob) < 1e-6, (seq, got.get(seq, 0.0), prob)
 
 
+@pytest.mark.slow
 def test_tree_step_samples_the_walk_chi_square():
     # tree_step on 20k draws of the two-branch tree (seed 6): the joint (path, next token)
     # against the exact enumeration, significance 1e-4.
