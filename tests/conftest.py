@@ -55,3 +55,16 @@ def long_model_dirs(model_dirs, tmp_path_factory):
         (root / name / "config.json").write_text(json.dumps(config))
         dirs[name] = str(root / name)
     return dirs
+
+
+@pytest.fixture(scope="session")
+def peaked(tmp_path_factory, char_tokenizer):
+    """(helpers.peaked_llama(0) over the char tokenizer, the directory it is saved in): sharp
+    distributions, so earlier outputs make good drafts for later ones."""
+    from helpers import peaked_llama
+
+    model = peaked_llama(0, len(char_tokenizer))
+    path = tmp_path_factory.mktemp("peaked")
+    model.save_pretrained(path)
+    char_tokenizer.save_pretrained(path)
+    return model, str(path)

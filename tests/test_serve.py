@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from helpers import (UniformQFreeDrafts, greedy_continuation, model_sequence_probs, peaked_llama, pooled_chi2_pvalue,
+from helpers import (UniformQFreeDrafts, greedy_continuation, model_sequence_probs, pooled_chi2_pvalue,
                      tiny_llama)
 
 pytest.importorskip("fastapi")
@@ -855,15 +855,6 @@ def test_a_client_that_stops_sending_its_body_is_counted_as_aborted_not_as_a_ser
 
 CONTEXT = [11, 10, 9, 8, 7, 6]  # "hgfedc": no token twice, so a request on it finds no match in its own tokens
 LENGTH, LATER = 3, 800          # 800 later outputs of 3 tokens, in requests of n=16
-
-
-@pytest.fixture(scope="module")
-def peaked(tmp_path_factory, char_tokenizer):
-    model = peaked_llama(0, len(char_tokenizer))
-    path = tmp_path_factory.mktemp("peaked")
-    model.save_pretrained(path)
-    char_tokenizer.save_pretrained(path)
-    return model, str(path)
 
 
 def warm_then_sample(post, model, tokenizer):

@@ -19,7 +19,7 @@ from specdecode.proposers.base import Draft
 from specdecode.proposers.suffix import SuffixIndex, SuffixProposer, continue_by_frequency
 from specdecode.sampling import SamplingParams
 
-from helpers import (UniformQFreeDrafts, greedy_continuation, model_sequence_probs, peaked_llama, pooled_chi2_pvalue,
+from helpers import (UniformQFreeDrafts, greedy_continuation, model_sequence_probs, pooled_chi2_pvalue,
                      sequence_pvalues, tiny_llama)
 
 GREEDY = SamplingParams(temperature=0)
@@ -139,15 +139,6 @@ def test_chi_square_detects_a_suffix_proposer_whose_q_is_not_what_it_proposed():
 CONTEXT = [11, 10, 9, 8, 7, 6]  # "hgfedc": no token twice, so a request on it finds no match in its own tokens
 LENGTH, LATER = 3, 800          # 800 later outputs of 3 tokens, in calls of n=16
 SAMPLED = SamplingParams(temperature=1.0, ignore_eos=True)  # unseeded: reads the cache; every output 3 tokens
-
-
-@pytest.fixture(scope="module")
-def peaked(tmp_path_factory, char_tokenizer):
-    model = peaked_llama(0, len(char_tokenizer))
-    path = tmp_path_factory.mktemp("peaked")
-    model.save_pretrained(path)
-    char_tokenizer.save_pretrained(path)
-    return model, str(path)
 
 
 def warm_then_sample(decoder, model):
