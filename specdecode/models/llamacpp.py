@@ -191,7 +191,7 @@ class LlamaCppLM:
         self._vocab = lib.llama_model_get_vocab(self._model)
         self.vocab_size = self.num_embeddings = lib.llama_vocab_n_tokens(self._vocab)
         self._n_ctx_train = lib.llama_model_n_ctx_train(self._model) or None  # 0: the file does not say
-        self._ctx = self._new_context(n_ctx)
+        self._use(self._new_context(n_ctx))
         self._batch = _Batch(lib, n_batch)
         self._eog = None
         self.reset()
@@ -199,6 +199,7 @@ class LlamaCppLM:
     # --- the context -----------------------------------------------------------------------------
 
     def _new_context(self, n_ctx: int):
+        """A llama.cpp context of n_ctx cells (llama.cpp may round it up) for this model."""
         lib = self._lib
         params = lib.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, self.n_batch, self.n_ubatch
@@ -212,9 +213,10 @@ class LlamaCppLM:
         if not ctx:
             raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} cells for {self.path.name} "
                                "(out of memory?)")
-        self.n_ctx = lib.llama_n_ctx(ctx)
-        self._memory = lib.llama_get_memory(ctx)
         return ctx
+
+    def _use(self, ctx) -> None:
+        self._ctx, self.n_ctx, self._memory = ctx, self._lib.llama_n_ctx(ctx), self._lib.llama_get_memory(ctx)
 
     @property
     def max_length(self) -> int | None:
@@ -246,13 +248,13 @@ class LlamaCppLM:
             if lib.llama_state_seq_get_data(old, buffer, size, seq) != size:
                 raise RuntimeError(f"llama.cpp could not save the state of sequence {seq} to grow its context")
             states.append((seq, buffer, size))
-        new = self._new_context(cells)  # sets n_ctx and the memory handle
+        new = self._new_context(cells)
         for seq, buffer, size in states:
             if lib.llama_state_seq_set_data(new, buffer, size, seq) == 0:
-                lib.llama_free(new)
+                lib.llama_free(new)  # the old context stays in use, unchanged
                 raise RuntimeError(f"llama.cpp could not restore sequence {seq} into a context of {cells} cells")
+        self._use(new)
         lib.llama_free(old)
-        self._ctx = new
 
     def close(self) -> None:
         """Free the context and the model (also done when the object is collected)."""
