@@ -21,7 +21,7 @@ import torch
 
 from specdecode import SamplingParams, SpeculativeDecoder
 from specdecode.measure.data import load_prompts
-from specdecode.measure.hardware import cpu_report
+from specdecode.tune.hardware import cpu_report
 
 
 def main() -> None:

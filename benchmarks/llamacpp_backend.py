@@ -342,7 +342,7 @@ def main() -> None:
     from specdecode.engine.driver import Driver
     from specdecode.engine.engine import Engine
     from specdecode.engine.request import DecodeConfig, Request
-    from specdecode.measure.hardware import cpu_report
+    from specdecode.tune.hardware import cpu_report
     from specdecode.models.llamacpp import load_gguf, system_info
     from specdecode.models.zoo import DEFAULT_DRAFT, DEFAULT_TARGET
     from specdecode.proposers import DraftModelProposer

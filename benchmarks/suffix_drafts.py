@@ -30,7 +30,7 @@ from specdecode import SamplingParams, SpeculativeDecoder
 from specdecode.engine.driver import Driver
 from specdecode.engine.engine import Engine
 from specdecode.measure.data import humaneval_prompts, load_prompts
-from specdecode.measure.hardware import cpu_report
+from specdecode.tune.hardware import cpu_report
 from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer, SuffixProposer
 
 TOOLS = ["find flights from Paris to Rome on 3 May", "the weather in Oslo tomorrow",

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from specdecode.measure.hardware import cpu_report
+from specdecode.tune.hardware import cpu_report
 from specdecode.tune.timing import time_interleaved
 from specdecode.models import HFCausalLM, zoo
 from specdecode.models.packed import pack_linears

@@ -15,7 +15,7 @@ from specdecode.engine.engine import Engine
 from specdecode.engine.request import DecodeConfig, GenerationResult, Request, TokenEvent
 from specdecode.frontend.builder import RequestBuilder, choice_samplings, generation_defaults, is_int as _is_int
 from specdecode.frontend.schema import MAX_CHOICES
-from specdecode.measure.hardware import cpu_report
+from specdecode.tune.hardware import cpu_report
 from specdecode.models.loading import load_tokenizer
 from specdecode.models.pair import Pair, check_specs
 from specdecode.proposers import CrossVocabProposer, build_proposer, find_proposer
@@ -141,7 +141,7 @@ class SpeculativeDecoder:
         "target_weights" and "draft_weights" (what each model's numbers are, e.g. "qwen2 1.5B BF16
         GGUF", "bfloat16, int4 layers"), "draft_dtype" (the draft's: any dtype keeps the output
         exact), "num_speculative_tokens": γ_max (0 without drafts), "free_drafts", "machine": this
-        CPU (specdecode.measure.hardware.cpu_report), "choice": why dtype="auto" chose it (None
+        CPU (specdecode.tune.hardware.cpu_report), "choice": why dtype="auto" chose it (None
         when the dtype was given, the target was a model object, or it was too small to time),
         "draft_vocabulary": the shared vocabulary of a draft of another family, or None}."""
         choice, kernel = self.choice, self.plan.load.target_kernel
@@ -166,8 +166,9 @@ class SpeculativeDecoder:
         one (the benchmark compares them)."""
         draft_backend = draft_backend or (self.draft.backend if self.draft is not None else None)
         tokenizers = (self.draft.tokenizer, self.tokenizer) if self.cross_vocab else None
-        proposer = build_proposer(draft_backend, self.target.backend.vocab_size, prompt_lookup=self.free_drafts or False,
+        proposer = build_proposer(draft_backend, self.target.backend.vocab_size, free_drafts=self.free_drafts,
                                   confidence=self.draft_confidence, tokenizers=tokenizers,
+                                  device=self.target.backend.device,
                                   cross_vocab=self.cross_vocab or "auto",
                                   tree_width=self.tree_width if tree_width is None else tree_width,
                                   tree_confidence=self.tree_confidence)

@@ -92,26 +92,27 @@ def test_find_proposer_finds_the_part_of_a_kind_in_a_composition():
     assert find_proposer(composed, SuffixProposer) is None and find_proposer(None, SuffixProposer) is None
 
 
-@pytest.mark.parametrize("prompt_lookup,kind", [(True, SuffixProposer), ("suffix", SuffixProposer),
-                                                ("ngram", PromptLookupProposer)])
-def test_build_proposer_puts_free_drafts_first_and_the_draft_model_after_them(prompt_lookup, kind):
+@pytest.mark.parametrize("free_drafts,kind", [("suffix", SuffixProposer), ("ngram", PromptLookupProposer)])
+def test_build_proposer_puts_free_drafts_first_and_the_draft_model_after_them(free_drafts, kind):
     backend = TableModel(10, seed=3)
-    proposer = build_proposer(backend, 10, prompt_lookup=prompt_lookup, confidence=0.3)
+    proposer = build_proposer(backend, 10, free_drafts=free_drafts, confidence=0.3)
     assert isinstance(proposer, FallbackProposer) and isinstance(proposer.first, kind)
     assert isinstance(proposer.then, DraftModelProposer) and proposer.then.backend is backend
     assert proposer.then.confidence_threshold == 0.3
     assert not hasattr(proposer.first, "fallback")
-    alone = build_proposer(None, 10, prompt_lookup=prompt_lookup)
+    alone = build_proposer(None, 10, free_drafts=free_drafts)
     assert isinstance(alone, kind)  # no draft model: the free drafts alone
-    assert isinstance(build_proposer(backend, 10, prompt_lookup=False), DraftModelProposer)
-    assert build_proposer(None, 10, prompt_lookup=False) is None
+    assert isinstance(build_proposer(backend, 10), DraftModelProposer)
+    assert build_proposer(None, 10) is None
+    with pytest.raises(ValueError, match="free_drafts must be"):
+        build_proposer(backend, 10, free_drafts=True)
 
 
 def test_free_drafts_go_to_the_device_asked_for_else_the_draft_models():
     backend = TableModel(10, seed=3)
-    proposer = build_proposer(backend, 10, prompt_lookup="ngram")
+    proposer = build_proposer(backend, 10, free_drafts="ngram")
     proposer.add_row([1, 2, 1, 2])
     [draft] = proposer.propose(rows([1, 2, 1, 2]), [2])
     assert draft.lookup and draft.tokens.tolist() == [1, 2] and proposer.first.device == backend.device
-    assert build_proposer(None, 10, prompt_lookup="suffix", device="meta").device == torch.device("meta")
-    assert build_proposer(backend, 10, prompt_lookup="ngram", device="meta").first.device == torch.device("meta")
+    assert build_proposer(None, 10, free_drafts="suffix", device="meta").device == torch.device("meta")
+    assert build_proposer(backend, 10, free_drafts="ngram", device="meta").first.device == torch.device("meta")

@@ -103,8 +103,13 @@ def test_two_threads_generating_each_get_their_own_outcome_when_one_processor_ra
             except Exception as err:  # noqa: BLE001 - checked below
                 outcome[name] = err
 
+        def slow(ids, scores):  # 10 ms a position: the innocent runs for seconds, long after the raiser joins
+            running.set()
+            time.sleep(0.01)
+            return scores
+
         innocent = threading.Thread(target=call, args=("innocent",), kwargs=dict(
-            prompt="dead beef", max_new_tokens=200, logits_processors=[lambda ids, scores: running.set() or scores]))
+            prompt="dead beef", max_new_tokens=200, logits_processors=[slow]))
         raiser = threading.Thread(target=call, args=("raiser",), kwargs=dict(
             prompt="abc", max_new_tokens=16, logits_processors=[failing_after(3, ValueError("boom"))]))
         innocent.start()

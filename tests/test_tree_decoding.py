@@ -156,9 +156,9 @@ def test_decoder_with_trees_greedy_equals_plain_and_refuses_lossy_or_block(model
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--tree-width", "0"], "--tree-width must be >= 1"),
-    (["--tree-width", "2", "--verification", "block"], "--tree-width above 1 needs --verification token"),
-    (["--tree-width", "2", "--lenience", "0.5"], "--lenience below 1 (lossy) needs --tree-width 1"),
+    (["--tree-width", "0"], "--tree-width must be an integer >= 1"),
+    (["--tree-width", "2", "--verification", "block"], "--tree-width > 1 needs --verification token"),
+    (["--tree-width", "2", "--lenience", "0.5"], "(lossy) needs --tree-width 1"),
     (["--tree-confidence", "1.5"], "--tree-confidence must be in (0, 1]"),
 ])
 def test_cli_tree_errors_exit_2_with_one_line(args, message, capsys):

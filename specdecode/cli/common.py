@@ -123,14 +123,20 @@ def decoder_config(args, parser: argparse.ArgumentParser, **extra) -> DecoderCon
     try:
         return DecoderConfig(**{**fields, **extra}).validate()
     except ValueError as err:
-        parser.error(_as_flags(str(err)))
+        parser.error(as_flags(str(err)))
 
 
-def _as_flags(message: str) -> str:
-    """A DecoderConfig message in the CLI's words: field names as the flags that set them."""
-    names = sorted((f.name for f in dataclasses.fields(DecoderConfig) if "_" in f.name), key=len, reverse=True)
-    message = re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
-    return message.replace("--num-speculative-tokens", "-k/--num-speculative-tokens")
+def as_flags(message: str) -> str:
+    """A DecoderConfig message in the CLI's words: `field='value'` as `--field value`, and other
+    field names with an underscore as the flags that set them."""
+    def flag(name: str) -> str:
+        return "-k/--num-speculative-tokens" if name == "num_speculative_tokens" else "--" + name.replace("_", "-")
+
+    fields = sorted((f.name for f in dataclasses.fields(DecoderConfig)), key=len, reverse=True)
+    message = re.sub(r"\b(" + "|".join(fields) + r")=(?:'([^']*)'|([\w.]+))",
+                     lambda m: f"{flag(m.group(1))} {m.group(2) if m.group(2) is not None else m.group(3)}", message)
+    named = [name for name in fields if "_" in name]
+    return re.sub(r"(?<![-\w])(" + "|".join(named) + r")\b", lambda m: flag(m.group(1)), message)
 
 
 def add_task_flags(parser: argparse.ArgumentParser, default_tasks: list[str], default_prompts: int) -> None:

@@ -7,6 +7,7 @@ import sys
 
 from specdecode.cli.common import (
     add_model_flags,
+    as_flags,
     build_decoder,
     decoder_config,
     error,
@@ -156,7 +157,7 @@ def _parse(args, parser):
     try:
         args.decoder_config.check_lenience(args.lenience)
     except ValueError as err:
-        parser.error(f"--{err}")
+        parser.error(as_flags(f"--{err}"))
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if any(not s for s in args.stop):

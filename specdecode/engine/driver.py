@@ -38,15 +38,29 @@ class Driver:
         self.failed: dict[int, BaseException] = {}
         self._lock = threading.RLock()
         self._abandoned: deque[int] = deque()  # streams garbage-collected unfinished (any thread)
+        # Callers waiting to add a request. The lock is not fair: a thread that steps in a loop
+        # takes it back at once, so a caller in another thread could wait until every running
+        # request has finished; a step waits (briefly) until they are in.
+        self._submitting = 0
+        self._submitted = threading.Condition()
 
     def submit(self, request: Request, keep_events: bool = False) -> int:
-        with self._lock:
-            request_id = self.engine.add(request)
-            if keep_events:
-                self.events[request_id] = deque()
-            return request_id
+        with self._submitted:
+            self._submitting += 1
+        try:
+            with self._lock:
+                request_id = self.engine.add(request)
+                if keep_events:
+                    self.events[request_id] = deque()
+                return request_id
+        finally:
+            with self._submitted:
+                self._submitting -= 1
+                self._submitted.notify_all()
 
     def step(self) -> None:
+        with self._submitted:  # a request being added joins this step (bounded: never a hang)
+            self._submitted.wait_for(lambda: self._submitting == 0, timeout=1.0)
         with self._lock:
             while self._abandoned:
                 self.abort(self._abandoned.popleft())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.measure.hardware import cpu_report, describe
+from specdecode.tune.hardware import cpu_report, describe
 
 
 def environment(**extra) -> dict:

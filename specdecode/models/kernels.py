@@ -1,6 +1,7 @@
-"""Every private torch op the package calls, each behind one small function: the int8/int4
+"""The kernels a target runs on (TargetKernel, the one name for each), and every private torch op
+the package calls, each behind one small function: the int8/int4
 weight-only matrix products of a quantized draft (models/quant.py), oneDNN's prepacked float32
-linear (models/packed.py), oneDNN's bfloat16 capability check (measure/hardware.py), and turning
+linear (models/packed.py), oneDNN's bfloat16 capability check (tune/hardware.py), and turning
 oneDNN off around a one-row forward (models/hf.py).
 
 Why here: private ops change between torch releases without notice. With all of them in one
@@ -11,6 +12,7 @@ plain-torch reference under the pinned torch (2.13.0). Nothing else in the packa
 from __future__ import annotations
 
 import contextlib
+from enum import Enum
 from typing import Iterator
 
 import torch
@@ -110,3 +112,37 @@ def without_onednn() -> Iterator[None]:
         yield
     finally:
         torch.backends.mkldnn.enabled = enabled
+
+
+class TargetKernel(str, Enum):
+    """How the target's products run: a backend, a numeric model and the kernels behind it."""
+
+    BFLOAT16 = "bfloat16"              # torch bfloat16 (oneDNN where torch picks it)
+    BFLOAT16_GEMV = "bfloat16-gemv"    # the same, one-row calls on torch's own matrix-vector kernels
+    FLOAT32_PACKED = "float32-packed"  # float32; Llama/Qwen2 Linears prepacked for oneDNN where possible
+    FLOAT16 = "float16"
+    FLOAT64 = "float64"
+    LLAMA_BF16 = "llama.cpp-bf16"      # llama.cpp on a BF16 GGUF of the weights (the bfloat16 model)
+    LLAMA_F32 = "llama.cpp-f32"        # llama.cpp on an F32 GGUF of the weights (the float32 model)
+    LLAMA_GGUF = "llama.cpp-gguf"      # llama.cpp on the GGUF file as it is (its own quantization)
+
+    @property
+    def backend(self) -> str:
+        return "llama.cpp" if self.value.startswith("llama.cpp") else "torch"
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The torch dtype of the numbers (the GGUF file's own quantization: None)."""
+        return {"bfloat16": torch.bfloat16, "bfloat16-gemv": torch.bfloat16, "float32-packed": torch.float32,
+                "float16": torch.float16, "float64": torch.float64, "llama.cpp-bf16": torch.bfloat16,
+                "llama.cpp-f32": torch.float32, "llama.cpp-gguf": None}[self.value]
+
+    @classmethod
+    def of(cls, dtype: str, backend: str) -> "TargetKernel":
+        """The kernel a dtype and backend given by name run ("float32" on torch packs where it
+        can; "auto" is bfloat16)."""
+        if dtype == "gguf":
+            return cls.LLAMA_GGUF
+        if backend == "llama.cpp":
+            return cls.LLAMA_F32 if dtype == "float32" else cls.LLAMA_BF16
+        return cls.FLOAT32_PACKED if dtype == "float32" else cls.BFLOAT16 if dtype == "auto" else cls(dtype)

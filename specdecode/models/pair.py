@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 import torch
@@ -20,45 +19,12 @@ import torch
 from specdecode.config import QUANTIZATION_BITS, DecoderConfig
 from specdecode.models import packed, zoo
 from specdecode.models.hf import HFCausalLM
+from specdecode.models.kernels import TargetKernel
 from specdecode.models.lean import supports as lean_supports
 from specdecode.models.llamacpp import LlamaCppLM
 from specdecode.models.loading import check_model_spec, eos_token_ids, gguf_source, load_model, parse_device
 from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.models.seq2seq import Seq2SeqLM
-
-
-class TargetKernel(str, Enum):
-    """How the target's products run: a backend, a numeric model and the kernels behind it."""
-
-    BFLOAT16 = "bfloat16"              # torch bfloat16 (oneDNN where torch picks it)
-    BFLOAT16_GEMV = "bfloat16-gemv"    # the same, one-row calls on torch's own matrix-vector kernels
-    FLOAT32_PACKED = "float32-packed"  # float32; Llama/Qwen2 Linears prepacked for oneDNN where possible
-    FLOAT16 = "float16"
-    FLOAT64 = "float64"
-    LLAMA_BF16 = "llama.cpp-bf16"      # llama.cpp on a BF16 GGUF of the weights (the bfloat16 model)
-    LLAMA_F32 = "llama.cpp-f32"        # llama.cpp on an F32 GGUF of the weights (the float32 model)
-    LLAMA_GGUF = "llama.cpp-gguf"      # llama.cpp on the GGUF file as it is (its own quantization)
-
-    @property
-    def backend(self) -> str:
-        return "llama.cpp" if self.value.startswith("llama.cpp") else "torch"
-
-    @property
-    def dtype(self) -> torch.dtype | None:
-        """The torch dtype of the numbers (the GGUF file's own quantization: None)."""
-        return {"bfloat16": torch.bfloat16, "bfloat16-gemv": torch.bfloat16, "float32-packed": torch.float32,
-                "float16": torch.float16, "float64": torch.float64, "llama.cpp-bf16": torch.bfloat16,
-                "llama.cpp-f32": torch.float32, "llama.cpp-gguf": None}[self.value]
-
-    @classmethod
-    def of(cls, dtype: str, backend: str) -> "TargetKernel":
-        """The kernel a dtype and backend given by name run ("float32" on torch packs where it
-        can; "auto" is bfloat16)."""
-        if dtype == "gguf":
-            return cls.LLAMA_GGUF
-        if backend == "llama.cpp":
-            return cls.LLAMA_F32 if dtype == "float32" else cls.LLAMA_BF16
-        return cls.FLOAT32_PACKED if dtype == "float32" else cls.BFLOAT16 if dtype == "auto" else cls(dtype)
 
 
 # a draft's dtype kernels: "bfloat16-gemv" runs its one-row steps without oneDNN; "llama.cpp" runs
@@ -188,7 +154,9 @@ class Pair:
             self.cross_vocab = not same_tokenizer(self.tokenizer, self.draft.tokenizer)
             self._check_pair(config.tree_width)
         if isinstance(self.target.backend, HFCausalLM):
-            self._apply_target_kernel(plan, given=not isinstance(target, str), gamma=config.num_speculative_tokens)
+            # a model object is the user's, and a device_map's layers may sit on other devices or disk
+            self._apply_target_kernel(plan, own=isinstance(target, str) and config.device_map is None,
+                                      gamma=config.num_speculative_tokens)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -200,15 +168,16 @@ class Pair:
             return frozenset({*backend.eos_token_ids, *known} | ({tokenizer.eos_token_id} - {None}))
         return eos_token_ids(backend.model, tokenizer)
 
-    def _apply_target_kernel(self, plan: LoadPlan, given: bool, gamma: int) -> None:
+    def _apply_target_kernel(self, plan: LoadPlan, own: bool, gamma: int) -> None:
+        """own: a model this process loaded whole on self.device, whose layers may be replaced."""
         backend = self.target.backend
-        if plan.target_kernel is TargetKernel.FLOAT32_PACKED and self.device.type == "cpu" and not given \
+        if plan.target_kernel is TargetKernel.FLOAT32_PACKED and self.device.type == "cpu" and own \
                 and isinstance(backend, HFCausalLM) and packed.available() and lean_supports(backend.model):
             # float32 targets we loaded (Llama/Qwen2 family) get packed weights: the same IEEE
             # float32 products without the BLAS library's jump from one row to two
             packed.pack_linears(backend.model, gamma + 1)
         backend.one_row_onednn = plan.target_kernel is not TargetKernel.BFLOAT16_GEMV
-        if plan.upcast_wide_reads and self.dtype == torch.bfloat16 and not given:
+        if plan.upcast_wide_reads and self.dtype == torch.bfloat16 and own:
             packed.upcast_wide_linears(backend.model)  # prompt reads as float32 products of the same values
 
     def _check_pair(self, tree_width: int) -> None:

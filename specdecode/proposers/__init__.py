@@ -13,17 +13,23 @@ __all__ = ["Draft", "Proposer", "CrossVocabProposer", "DraftModelProposer", "Fal
            "PromptLookupProposer", "SuffixProposer", "build_proposer", "find_proposer"]
 
 
-def build_proposer(draft_backend, vocab_size: int, *, prompt_lookup: bool | str, confidence: float = 0.0,
+def build_proposer(draft_backend, vocab_size: int, *, free_drafts: str | None = None, confidence: float = 0.0,
                    tree_width: int = 1, tree_confidence: float = 0.8, tokenizers=None,
                    cross_vocab: str = "auto", device=None) -> Proposer | None:
-    """The proposer of a configured decoder: free drafts when asked (prompt_lookup True or
-    "suffix": suffix drafts over the row and earlier requests; "ngram": prompt lookup, paper
-    §3.6), composed with the draft model (draft_backend, or None) serving the rows they have no
-    draft for (FallbackProposer(free drafts, draft model)); None decodes plainly. tokenizers:
-    (draft's, target's) for a draft of another vocabulary, which proposes through the shared one
+    """The proposer of a configured decoder: free drafts when asked (free_drafts "suffix": suffix
+    drafts over the row and earlier requests; "ngram": prompt lookup, paper §3.6; None: none),
+    composed with the draft model (draft_backend, or None) serving the rows they have no draft for
+    (FallbackProposer(free drafts, draft model)); None decodes plainly. tokenizers: (draft's,
+    target's) for a draft of another vocabulary, which proposes through the shared one
     (CrossVocabProposer; cross_vocab: its method; find_proposer finds it in the composition).
     device: where free drafts' tensors go (None: the draft model's device, else the CPU). Other
-    arguments as SpeculativeDecoder's (vocab_size: the target's)."""
+    arguments as DecoderConfig's (vocab_size: the target's).
+
+    Raises:
+        ValueError: free_drafts not None, "suffix" or "ngram".
+    """
+    if free_drafts not in (None, "suffix", "ngram"):
+        raise ValueError(f"free_drafts must be None, 'suffix' or 'ngram', got {free_drafts!r}")
     if draft_backend is None:
         model = None
     elif tokenizers is not None:
@@ -32,10 +38,7 @@ def build_proposer(draft_backend, vocab_size: int, *, prompt_lookup: bool | str,
         model = DraftModelProposer(draft_backend, confidence, tree_width, tree_confidence)
     if device is None and draft_backend is not None:
         device = draft_backend.device
-    if prompt_lookup == "ngram":
-        free = PromptLookupProposer(vocab_size, device=device)
-    elif prompt_lookup:
-        free = SuffixProposer(vocab_size, device=device)
-    else:
+    if free_drafts is None:
         return model
+    free = (PromptLookupProposer if free_drafts == "ngram" else SuffixProposer)(vocab_size, device=device)
     return free if model is None else FallbackProposer(free, model)

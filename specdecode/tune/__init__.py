@@ -17,10 +17,11 @@ from typing import Callable
 import torch
 
 from specdecode.config import DEFAULT_DRAFT_QUANTIZATION, QUANTIZATION_BITS, DecoderConfig
-from specdecode.measure.hardware import cpu_report, describe, native_bfloat16  # moves to tune.hardware
+from specdecode.tune.hardware import cpu_report, describe, native_bfloat16
 from specdecode.models import llamacpp, packed, zoo
 from specdecode.models.loading import gguf_source, is_gguf, load_model, parse_device
-from specdecode.models.pair import LLAMA_WEIGHTS, LoadPlan, TargetKernel, backend, draft_vocab_limit, model_names
+from specdecode.models.kernels import TargetKernel
+from specdecode.models.pair import LLAMA_WEIGHTS, LoadPlan, backend, draft_vocab_limit, model_names
 from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.tune import cache
 from specdecode.tune.candidates import Loaders, measure_and_choose

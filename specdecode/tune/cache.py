@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from specdecode.tune.costs import Choice
-from specdecode.measure.hardware import cpu_report  # moves to tune.hardware
+from specdecode.tune.hardware import cpu_report
 
 CACHE_VERSION = 5  # bumped when what is measured or how the choice is made changes
 
