@@ -140,7 +140,6 @@ def test_ragged_rows_with_rollbacks_and_select_equal_transformers(files):
     assert torch.allclose(out[2, 0], hf_logits(hf["target"], PROMPTS[3] + [7])[-1], atol=1e-4, rtol=1e-4)
 
 
-
 def test_a_row_selected_twice_is_copied_and_both_copies_decode_alike(files):
     lm = exact(files)
     lm.add_row(prefix_ids=PROMPTS[0])
@@ -148,11 +147,13 @@ def test_a_row_selected_twice_is_copied_and_both_copies_decode_alike(files):
     lm.select([0, 0])  # llama_memory_seq_cp: the second copy gets a sequence of its own
     out = lm.forward([[9, 10], [9, 10]], 2)
     expected = hf_logits(files[1]["target"], PROMPTS[0] + [9, 10])[-2:]
-    assert torch.allclose(out[0], expected, atol=1e-4, rtol=1e-4) and torch.allclose(out[1], expected, atol=1e-4, rtol=1e-4)
+    for copy in out:
+        assert torch.allclose(copy, expected, atol=1e-4, rtol=1e-4)
     assert lm.lengths == [len(PROMPTS[0]) + 2] * 2
     lm.truncate([len(PROMPTS[0]), len(PROMPTS[0]) + 2])
     diverged = lm.forward([[11], [12]], 1)[:, 0]
-    ref = hf_logits(files[1]["target"], PROMPTS[0] + [11])[-1], hf_logits(files[1]["target"], PROMPTS[0] + [9, 10, 12])[-1]
+    hf = files[1]["target"]
+    ref = hf_logits(hf, PROMPTS[0] + [11])[-1], hf_logits(hf, PROMPTS[0] + [9, 10, 12])[-1]
     assert torch.allclose(diverged[0], ref[0], atol=1e-4, rtol=1e-4)
     assert torch.allclose(diverged[1], ref[1], atol=1e-4, rtol=1e-4)
 
@@ -441,7 +442,8 @@ def test_load_gguf_gives_a_tokenizer_that_agrees_with_llama_cpp_and_caches_it(fi
     assert len(tokenizer) == lm.vocab_size == 320
     assert lm.eos_token_ids == {tokenizer.convert_tokens_to_ids("<|im_end|>"),
                                 tokenizer.convert_tokens_to_ids("<|endoftext|>")}
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
