@@ -280,8 +280,9 @@ def test_repacked_q8_0_k_token_logits_within_tolerance_where_this_build_can_run_
             % (str(Path(__file__).parent), str(paths["q8_0"]), PROMPTS[2], [3, 19, 250, 7, 7, 40, 41, 42]))
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     if child.returncode in (-4, 132):  # SIGILL
-        pytest.skip("this llama-cpp-python build's repacked Q8_0 kernels fault (SIGILL: AMX miscompiled); "
-                    "rebuild it with CMAKE_ARGS='-DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF'")
+        pytest.skip("this llama-cpp-python build's repacked Q8_0 kernels fault (SIGILL: its AMX tile setup was "
+                    "miscompiled by GCC 12); rebuild it without AMX: CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX512=ON "
+                    "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON'")
     assert child.returncode == 0, child.stderr[-2000:]
     import json
 
