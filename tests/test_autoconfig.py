@@ -87,14 +87,17 @@ def test_a_gemv_choice_runs_one_row_calls_of_both_models_without_onednn(model_di
     assert decoder.generate("abcab", max_new_tokens=12, sampling=GREEDY).stats.num_drafted > 0
 
 
-def test_a_plain_choice_decodes_plainly_without_loading_the_draft(model_dirs, cache, timed_when_tiny):
+def test_a_plain_choice_loads_no_draft_and_keeps_only_the_free_drafts(model_dirs, cache, timed_when_tiny):
     _cached(model_dirs, Choice("bfloat16", None, None, 0, 5.0, 5.0))
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
     assert decoder.draft is None and decoder.dtype == torch.bfloat16
-    result = decoder.generate("aaaaaaa", max_new_tokens=12, sampling=GREEDY)
-    assert result.stats.num_drafted == 0 and result.stats.num_lookup_steps == 0
-    assert decoder.configuration()["num_speculative_tokens"] == 0
+    assert decoder.configuration()["free_drafts"] == "suffix"  # they cost no model
     assert "no draft pays" in decoder.configuration()["choice"]["summary"]
+    _cached(model_dirs, Choice("bfloat16", None, None, 0, 5.0, 5.0))
+    plain = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], free_drafts="off")
+    result = plain.generate("aaaaaaa", max_new_tokens=12, sampling=GREEDY)
+    assert result.stats.num_drafted == 0 and result.stats.num_lookup_steps == 0
+    assert plain.draft is None and plain.configuration()["num_speculative_tokens"] == 0
 
 
 def test_an_explicit_dtype_is_honoured_and_nothing_is_timed(model_dirs, cache, timed_when_tiny, monkeypatch):

@@ -1,5 +1,5 @@
-"""The configuration chooser (specdecode.measure.choice) on the cost tables of three machine
-classes: a CPU with native bfloat16, an AVX2-only CPU, and a GPU."""
+"""The configuration chooser (specdecode.tune.costs) on the cost tables of several machine classes:
+a CPU with native bfloat16, an AVX2-only CPU, an AMX CPU with llama.cpp, and a GPU."""
 
 import pytest
 
@@ -56,11 +56,35 @@ def test_a_class_where_only_bfloat16_steps_are_fast_decodes_plainly_rather_than_
     choice = choose(table, drafts, alpha=0.7, prompt_tokens=0)
     assert choice.draft_kernel is None and choice.gamma == 0 and choice.target_kernel == "bfloat16"
     assert choice.speedup == 1.0
-    # a draft right often enough would make float32 speculation faster, but where acceptance is
-    # low the guard falls back to float32 plain steps, three times slower than bfloat16's: not taken
+    # drafts right often enough would make float32 speculation faster, but where they are right
+    # less often float32's slow steps lose to bfloat16's plain ones: weighed as much, not taken
     assert choose(table, drafts, alpha=0.95, prompt_tokens=0).target_kernel == "bfloat16"
-    monkeypatch.setattr(choice_module, "PLAIN_FLOOR", 0.0)  # without that floor it would be
-    assert choose(table, drafts, alpha=0.95, prompt_tokens=0).target_kernel == "float32-packed"
+    assert choose(table, drafts, alpha=0.95, low_alpha=0.95, prompt_tokens=0).target_kernel == "float32-packed"
+
+
+def test_speculation_must_beat_plain_decoding_by_the_margin(monkeypatch):
+    # the llama.cpp Q4_K_M target here: a k-token call costs 1.5-3.3 steps. With the int4 draft
+    # (a third of a step) Eq. 1 rated it 1.07x plain at α = 0.85, and it ran 0.96x: plain decoding
+    table = {"llama.cpp-gguf": TargetCost(0.085, {2: 1.5, 5: 1.82, 9: 3.3}, 0.008)}
+    assert choose(table, {("int4", "bfloat16-gemv"): DraftCost(0.026, 0.0076)}).draft_kernel is None
+    # a draft a seventh of a step: worth it, unless the margin asks more than it gives
+    cheap = {("int4", "bfloat16-gemv"): DraftCost(0.012, 0.0076)}
+    monkeypatch.setattr(choice_module, "MARGIN", 0.0)
+    assert choose(table, cheap).draft_kernel == "int4"
+    monkeypatch.setattr(choice_module, "MARGIN", 0.5)
+    assert choose(table, cheap).draft_kernel is None
+
+
+def test_a_cheap_verify_beats_a_faster_step_where_prompts_are_read_too():
+    # the default pair on an AMX CPU (2026-12-06): torch bfloat16 steps in 226 ms but verifies 9
+    # tokens for 0.91 of a step and reads a prompt at 5 ms a token; llama.cpp's BF16 steps in 168
+    # ms, verifies at 1.86 and reads at 22 ms. Side by side torch ran 11.4 against 9.1 tokens/s
+    # (HumanEval) and 6.7 against 5.7 (Spec-Bench) with the int4 draft (docs/results/vs_llamacpp.md)
+    table = {"bfloat16": TargetCost(0.226, {2: 0.95, 5: 0.93, 9: 0.91, 17: 1.2, 64: 1.42}, 0.005),
+             "llama.cpp-bf16": TargetCost(0.168, {2: 1.06, 5: 1.39, 9: 1.86, 17: 2.9, 64: 8.4}, 0.022)}
+    drafts = {("int4", "bfloat16-gemv"): DraftCost(0.026, 0.0076)}
+    assert choose(table, drafts).target_kernel == "bfloat16"
+    assert choose(table, {}).target_kernel == "llama.cpp-bf16"  # plain decoding: the faster step
 
 
 def test_a_slow_prompt_read_weighs_against_a_kernel_with_fast_steps():

@@ -146,7 +146,8 @@ class LlamaCppLM:
         repack: let llama.cpp move weights into its repacked layouts for this CPU (its "extra
             buffer types": AVX/AMX kernels for Q4_0, Q4_K, Q8_0, ...); False keeps every tensor
             in the file's layout and llama.cpp's plain kernels (needed where a build's AMX kernels
-            fault, as in a wheel built by GCC 12 on an AMX CPU).
+            fault, as in a wheel built by GCC 12 on an AMX CPU); None (default): repack where
+            `repack_works` says it is safe for this file on this machine and build.
     Attributes:
         vocab_size, num_embeddings: V, the model's vocabulary (the width of its logits).
         max_length: the model's trained context (GGUF context_length) in tokens per row, None
@@ -163,7 +164,7 @@ class LlamaCppLM:
 
     def __init__(self, path, *, n_ctx: int = 4096, max_rows: int = 8, n_threads: int | None = None,
                  n_batch: int = 2048, n_ubatch: int = 512, kv_type: str = "f16", flash_attn: bool | None = None,
-                 grow: bool = True, repack: bool = True):
+                 grow: bool = True, repack: bool | None = None):
         lib = library()
         path = Path(path)
         if not path.is_file():
@@ -183,7 +184,8 @@ class LlamaCppLM:
         self.device = torch.device("cpu")
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
-        params.use_extra_bufts = repack
+        self.repacked = repack_works(path) if repack is None else repack
+        params.use_extra_bufts = self.repacked
         self._model = lib.llama_model_load_from_file(str(path).encode(), params)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {str(path)!r} (see the error above)")
@@ -486,6 +488,63 @@ class LlamaCppLM:
 
 
 # --- loading --------------------------------------------------------------------------------------------
+
+# a child process loads a file with repacked layouts and scores a few tokens, one call of one
+# token and one of several (the kernels differ): its exit status says whether they run here
+_REPACK_PROBE = """
+import sys
+from specdecode.models.llamacpp import LlamaCppLM
+lm = LlamaCppLM(sys.argv[1], repack=True, max_rows=1, n_ctx=256, grow=False)
+lm.add_row()
+lm.forward([[1, 2, 3, 4, 5, 6, 7, 8]], 8)
+lm.forward([[9]], 1)
+"""
+
+
+def repack_works(path, timeout_s: float = 600.0) -> bool:
+    """Whether llama.cpp's repacked weight layouts run `path`'s weights on this machine and build.
+
+    Why a child process: a repacked kernel that the CPU cannot run kills the process (SIGILL), as
+    llama.cpp's AMX kernels do in a native build by GCC 12 on an AMX CPU (the compiler drops the
+    tile configuration), and no Python handler can catch that. So the file is loaded once in a
+    child with repacking on; its exit status is the answer, cached per file (path, size, mtime),
+    llama-cpp-python build and CPU in the cache folder. A child that cannot finish in timeout_s
+    (a loaded machine) counts as "no" and is not cached.
+    """
+    import json
+    import subprocess
+
+    from specdecode.models.zoo import cache_dir
+
+    import llama_cpp
+
+    path = Path(path)
+    build = Path(llama_cpp.__file__).parent
+    libraries = sorted(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in build.rglob("*.so*"))
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    key = hashlib.sha256("\n".join([_file_key(path), llama_cpp.__version__, *libraries, flags]).encode())
+    cached = cache_dir() / "llamacpp" / f"repack-{key.hexdigest()[:16]}.json"
+    try:
+        return bool(json.loads(cached.read_text(encoding="utf-8"))["works"])
+    except (OSError, ValueError, KeyError):
+        pass
+    try:
+        child = subprocess.run([sys.executable, "-c", _REPACK_PROBE, str(path)], capture_output=True,
+                               timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    except subprocess.TimeoutExpired:
+        return False
+    works = child.returncode == 0
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".partial")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"works": works, "file": path.name, "exit": child.returncode}, f)
+        os.replace(tmp, cached)
+    except OSError:  # a cache we cannot write costs the next load the probe again
+        pass
+    return works
+
 
 def _file_key(path: Path) -> str:
     """A short digest of a file's resolved path, size and modification time: a cache key that

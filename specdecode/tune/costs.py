@@ -7,20 +7,22 @@ native bfloat16 (AVX-512-BF16, AMX) a 9-token verify costs about one step, witho
 x86: AMD Zen 2/3, Intel before Sapphire Rapids) four to six, and float32 with packed weights about
 1.4 (docs/auto-configuration.md). So each candidate target kernel is timed for its one-token step T, its
 k-token cost r(k)·T and its prompt read per token R, each draft kernel and dtype for its step D
-and its own prompt read (any draft goes with any target: the verifier needs only its q). For each
-kernel pair γ_max is the largest γ within GAMMA_TOLERANCE of the best decoding rate
+and its own prompt read (any draft goes with any target: the verifier needs only its q). A
+configuration's rate for a planned request, P prompt tokens then N new ones, is
 
-    rate(kernel, draft, γ) = E(α, γ) / (T · r(γ+1) + γ · D),   E(α, γ) = (1 − α^{γ+1}) / (1 − α),
+    rate(α, γ) = N / (P · (R + R_draft) + N · (T · r(γ+1) + γ · D) / E(α, γ)),
+    E(α, γ) = (1 − α^{γ+1}) / (1 − α)   (paper Eq. 1).
 
-and the chooser takes the pair (or plain decoding, rate 1 / T, with any target kernel) whose
-planned request, P prompt tokens then N new ones, has the most tokens per second:
-N / (P · (R + R_draft) + N / rate), among target kernels whose own plain decoding of that request
-is within PLAIN_FLOOR of the best one's (the guard's fallback where α turns out low). Pure: numbers in, a Choice out (tests give it cost tables of both CPU
-classes and of a GPU).
+For each kernel pair γ_max is the largest γ whose rate at PRIOR_ALPHA is within GAMMA_TOLERANCE of
+its best, and the pair's score the geometric mean of its rates at PRIOR_ALPHA and LOW_ALPHA with
+that γ. The chooser takes the pair with the best score, or plain decoding (rate N / (P · R + N · T),
+the fastest target kernel) unless a pair beats it by MARGIN. Pure: numbers in, a Choice out (tests give it cost tables of
+several CPU classes and of a GPU).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from specdecode.analysis import expected_tokens
@@ -37,12 +39,17 @@ GAMMA_TOLERANCE = 0.05
 # and 128 new tokens. Prompt reads weigh in because a kernel that is fast one row at a time can
 # read a prompt several times slower (bfloat16 without native support: 82 against 22 ms a token).
 PROMPT_TOKENS, NEW_TOKENS = 150, 128
-# A target kernel whose plain decoding (of that request) is slower than this fraction of the best
-# one's is not taken: the dtype is fixed at load, and where acceptance turns out low the guard
-# falls back to plain steps of the chosen kernel, which would then lose to the target alone (on an
-# emulated AVX2 CPU a float32 target verifying cheaply gave 1.55x on a HumanEval prompt and 0.62x
-# on a Spec-Bench qa prompt against bfloat16 plain decoding, docs/auto-configuration.md).
-PLAIN_FLOOR = 0.9
+# The choice plans for a low acceptance too, weighed as much as PRIOR_ALPHA (the geometric mean of
+# the two rates): the kernels are fixed at load, and a configuration that wins only where drafts
+# are right often can lose badly elsewhere (on an emulated AVX2 CPU a float32 target verifying
+# cheaply gave 1.55x on a HumanEval prompt and 0.62x on a Spec-Bench qa prompt against bfloat16
+# plain decoding; Spec-Bench's categories measure α̂ 0.55-0.77, docs/results/alpha_int4.md).
+LOW_ALPHA = 0.6
+# Speculation is taken only where its score beats plain decoding's by this much: Eq. 1 leaves out
+# what each step costs beside the forwards (sampling and verifying per drafted token, the Python
+# loop, the draft's prompt read at a row's second step). The llama.cpp Q4_K_M target with the int4
+# draft was rated 1.07x plain and measured 0.96x on HumanEval (docs/results/vs_llamacpp.md).
+MARGIN = 0.10
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,8 @@ class Choice:
     gamma: γ_max (0 for plain decoding).  rate: expected tokens per second of the planned request
     (prompt read included).  plain_rate: the same for plain decoding with the best target kernel.
     c: the draft step over the chosen target step (paper Def. 3.7).  r: r(γ+1) of that kernel.
-    alpha: the α planned for.  notes: what was measured, one line per target kernel.
+    alpha: the α planned for.  low_alpha: the low α weighed as much (LOW_ALPHA).  notes: what was
+    measured, one line per target kernel.
     The verification rule is not chosen: block verification equals the token-wise rule under
     greedy decoding, costs the same target call, and measured level with it at temperature 1
     (2.59x against 2.61x, docs/results/bench_code_t1_20.md); Eq. 1 has no term for its gain.
@@ -102,6 +110,7 @@ class Choice:
     c: float = 0.0
     r: float = 1.0
     alpha: float = PRIOR_ALPHA
+    low_alpha: float = LOW_ALPHA
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -115,52 +124,64 @@ class Choice:
                     "pays on this machine, so none runs (an explicit dtype= skips this choice)")
         return (f"{self.target_kernel} target, {self.draft_kernel} {self.draft_dtype} draft, γ ≤ {self.gamma}: "
                 f"c = {self.c:.2f}, "
-                f"r(γ+1) = {self.r:.2f}, expected {self.speedup:.2f}x plain decoding at α = {self.alpha:.2f}")
+                f"r(γ+1) = {self.r:.2f}, expected {self.speedup:.2f}x plain decoding at α = {self.alpha:.2f} "
+                f"(weighed with α = {self.low_alpha:.2f})")
 
 
 def choose(targets: dict[str, TargetCost], drafts: dict[tuple[str, str], DraftCost], alpha: float = PRIOR_ALPHA,
-           max_gamma: int = 8, prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS) -> Choice:
-    """The configuration with the most expected tokens per second over a request of
-    prompt_tokens prompt tokens and new_tokens new ones (its prompt read included).
+           max_gamma: int = 8, prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS,
+           low_alpha: float = LOW_ALPHA) -> Choice:
+    """The configuration with the best score over a request of prompt_tokens prompt tokens and
+    new_tokens new ones (its prompt read included): the geometric mean of its expected tokens per
+    second at alpha and at low_alpha. Speculation must beat plain decoding's score by MARGIN.
 
     Args:
         targets: {target kernel: its TargetCost}.
         drafts: {(draft kernel, draft dtype kernel): its DraftCost}; empty for no draft. Any
             draft goes with any target kernel.
-        alpha: the acceptance rate to plan for, in [0, 1).  max_gamma: the largest γ considered.
-        prompt_tokens, new_tokens: the request planned for (>= 0 and >= 1).
+        alpha, low_alpha: the acceptance rates planned for, in [0, 1).  max_gamma: the largest γ
+            considered.  prompt_tokens, new_tokens: the request planned for (>= 0 and >= 1).
     Returns:
-        a Choice; draft_kernel None (plain decoding) where no draft pays on this machine.
+        a Choice; draft_kernel None (plain decoding) where no draft pays on this machine. Its
+        rate is the expected tokens per second at alpha.
     Raises:
-        ValueError: no target kernel, alpha outside [0, 1), max_gamma < 1, prompt_tokens < 0
+        ValueError: no target kernel, an alpha outside [0, 1), max_gamma < 1, prompt_tokens < 0
             or new_tokens < 1.
     """
     if not targets:
         raise ValueError("choose() needs at least one target kernel's costs")
-    if not 0 <= alpha < 1:
-        raise ValueError(f"alpha must be in [0, 1), got {alpha!r}")
+    if not (0 <= alpha < 1 and 0 <= low_alpha < 1):
+        raise ValueError(f"alpha must be in [0, 1), got {alpha!r} and {low_alpha!r}")
     if max_gamma < 1:
         raise ValueError(f"max_gamma must be >= 1, got {max_gamma!r}")
     if prompt_tokens < 0 or new_tokens < 1:
         raise ValueError(f"need prompt_tokens >= 0 and new_tokens >= 1, got {prompt_tokens!r}, {new_tokens!r}")
+
     def request_rate(read_s_per_token: float, decode_rate: float) -> float:
         # a request's tokens per second, its prompt reads included
         return new_tokens / (prompt_tokens * read_s_per_token + new_tokens / decode_rate)
 
     plain = {kernel: request_rate(cost.read_s_per_token, 1 / cost.step_s) for kernel, cost in targets.items()}
     plain_kernel = max(plain, key=plain.get)
-    best = Choice(plain_kernel, None, None, 0, plain[plain_kernel], plain[plain_kernel], alpha=alpha)
+    best = Choice(plain_kernel, None, None, 0, plain[plain_kernel], plain[plain_kernel], alpha=alpha,
+                  low_alpha=low_alpha)
+    best_score = (1 + MARGIN) * plain[plain_kernel]
     for kernel, cost in targets.items():
-        if plain[kernel] < PLAIN_FLOOR * best.plain_rate:
-            continue
         for (draft_kernel, draft_dtype), draft in drafts.items():
-            rates = {gamma: expected_tokens(alpha, gamma) / (cost.step_s * cost.ratio(gamma + 1)
-                                                             + gamma * draft.step_s)
-                     for gamma in range(1, max_gamma + 1)}
+            read = cost.read_s_per_token + draft.read_s_per_token
+
+            def rate(a: float, gamma: int) -> float:
+                step = cost.step_s * cost.ratio(gamma + 1) + gamma * draft.step_s
+                return request_rate(read, expected_tokens(a, gamma) / step)
+
+            # γ_max for the α planned for (the confidence stop ends blocks early where drafts
+            # are often wrong); the low α then prices that γ where they are
+            rates = {gamma: rate(alpha, gamma) for gamma in range(1, max_gamma + 1)}
             top = max(rates.values())
-            gamma = max(g for g, rate in rates.items() if rate >= (1 - GAMMA_TOLERANCE) * top)
-            rate = request_rate(cost.read_s_per_token + draft.read_s_per_token, rates[gamma])
-            if rate > best.rate:
-                best = Choice(kernel, draft_kernel, draft_dtype, gamma, rate, best.plain_rate,
-                              draft.step_s / cost.step_s, cost.ratio(gamma + 1), alpha)
+            gamma = max(g for g, r in rates.items() if r >= (1 - GAMMA_TOLERANCE) * top)
+            score = math.sqrt(rates[gamma] * rate(low_alpha, gamma))
+            if score > best_score:
+                best_score = score
+                best = Choice(kernel, draft_kernel, draft_dtype, gamma, rate(alpha, gamma), best.plain_rate,
+                              draft.step_s / cost.step_s, cost.ratio(gamma + 1), alpha, low_alpha)
     return best
