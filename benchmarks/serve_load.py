@@ -101,36 +101,45 @@ def main():
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="a third server: the target's bfloat16 weights on llama.cpp, plain (the CPU baseline)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     prompts = [p["prompt"] for p in humaneval_prompts(args.prompts)]
     max_batch = max(args.concurrency)
-    runs = {}
-    for name, extra in (("speculative (defaults)", []), ("--draft none", ["--draft", "none"])):
+    runs, configurations = {}, {}
+    servers = (("speculative (defaults)", []), ("--draft none", ["--draft", "none"]),
+               ("llama.cpp BF16 plain", ["--backend", "llama.cpp", "--draft", "none", "--free-drafts", "off"]))
+    for name, extra in servers[:None if args.llama_cpp else 2]:
         process, url = start(extra, max_batch)
         try:
             one_request(url, prompts[0], 8)  # warm-up
+            configurations[name] = httpx.get(url + "/v1/models", timeout=30).json()["data"][0].get("specdecode")
             runs[name] = [level(url, prompts, c, args.requests_per_client, args.max_tokens) for c in args.concurrency]
             for row in runs[name]:
                 print(name, json.dumps(row), flush=True)
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=120)
-    spec, plain = runs["speculative (defaults)"], runs["--draft none"]
+    plain, llama = runs["--draft none"], runs.get("llama.cpp BF16 plain")
     rows = []
-    for s, p in zip(spec, plain):
-        for name, r in (("speculative", s), ("--draft none", p)):
+    for i, p in enumerate(plain):
+        for name in runs:
+            r = runs[name][i]
             rows.append([r["concurrency"], name, fmt(r["tokens_per_s"]), f"{fmt(r['tokens_per_s'] / p['tokens_per_s'])}x",
+                         f"{fmt(r['tokens_per_s'] / llama[i]['tokens_per_s'])}x" if llama else "",
                          fmt(r["ttft_p50"]), fmt(r["ttft_p99"]), fmt(1000 * r["itl_p50"], 0), fmt(1000 * r["itl_p99"], 0),
                          fmt(r["mean_tokens_per_call"])])
     body = [f"{args.requests_per_client} streaming requests per client, one after another; HumanEval prompts "
-            f"(raw completions), greedy, max_tokens {args.max_tokens}; default pair in bfloat16; "
+            f"(raw completions), greedy, max_tokens {args.max_tokens}; the default pair as `specdecode serve` "
+            "loads it (dtype auto: its configuration is in the JSON); "
             f"--max-batch-size {max_batch}. Client-side times.", ""]
-    body += markdown_table(["concurrency", "server", "tokens/s (all clients)", "vs --draft none", "TTFT p50 (s)",
+    body += markdown_table(["concurrency", "server", "tokens/s (all clients)", "vs --draft none",
+                            "vs llama.cpp BF16 plain", "TTFT p50 (s)",
                             "TTFT p99 (s)", "ITL p50 (ms)", "ITL p99 (ms)", "tokens per target call"], rows)
-    meta = environment(target="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct", dtype="bfloat16")
+    meta = environment(target="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct", dtype="auto")
     meta["command"] = "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])
-    write(args.out, "specdecode serve under load", meta, body, {"runs": runs})
+    write(args.out, "specdecode serve under load", meta, body, {"runs": runs, "configurations": configurations})
     print("\n".join(body))
 
 

@@ -108,18 +108,22 @@ class SpeculativeDecoder:
         self.generation_defaults = generation_defaults(getattr(self.target.backend, "model", None)) \
             if config.use_generation_config else {}
         self.guard_costs = None  # None: no guard
-        if config.guard and self.draft is not None:
+        # free drafts alone are guarded too: they cost no forward, but each verified draft costs
+        # its share of a wider target call (a Q4_K_M target on llama.cpp: r(5) = 1.8)
+        if config.guard and (self.draft is not None or self.free_drafts):
             if config.guard_costs is None and progress:
                 progress("measuring c (draft step / target step) and the verify cost r(γ+1) for the guard")
             self.guard_costs = tuple(config.guard_costs) if config.guard_costs is not None else tune.guard_costs(
-                self.target.backend, self.draft.backend, self.num_speculative_tokens, self.is_encoder_decoder)
+                self.target.backend, self.draft.backend if self.draft is not None else None,
+                self.num_speculative_tokens, self.is_encoder_decoder)
         # the request path's own tokenizer: requests are built in other threads than the engine's
         self.requests = RequestBuilder(copy.deepcopy(self.tokenizer), self.target.backend, self.eos_token_ids,
                                        decoder=config, num_speculative_tokens=self.num_speculative_tokens,
                                        guard_costs=self.guard_costs, defaults=self.generation_defaults,
                                        is_encoder_decoder=self.is_encoder_decoder)
         self.engine = Engine(self.target.backend, self.proposer(), self.tokenizer, config.max_batch_size,
-                             batch_guard=self.guard_costs is not None, first_step_plain=True)
+                             batch_guard=self.guard_costs is not None and self.draft is not None,
+                             first_step_plain=True)
         self._driver = Driver(self.engine)
 
     # What was built, by the names earlier versions had.

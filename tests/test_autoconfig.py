@@ -92,7 +92,7 @@ def test_a_plain_choice_loads_no_draft_and_keeps_only_the_free_drafts(model_dirs
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
     assert decoder.draft is None and decoder.dtype == torch.bfloat16
     assert decoder.configuration()["free_drafts"] == "suffix"  # they cost no model
-    assert "no draft pays" in decoder.configuration()["choice"]["summary"]
+    assert "no draft model pays" in decoder.configuration()["choice"]["summary"]
     _cached(model_dirs, Choice("bfloat16", None, None, 0, 5.0, 5.0))
     plain = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], free_drafts="off")
     result = plain.generate("aaaaaaa", max_new_tokens=12, sampling=GREEDY)

@@ -79,7 +79,7 @@ def test_a_cheap_verify_beats_a_faster_step_where_prompts_are_read_too():
     # the default pair on an AMX CPU (2026-12-06): torch bfloat16 steps in 226 ms but verifies 9
     # tokens for 0.91 of a step and reads a prompt at 5 ms a token; llama.cpp's BF16 steps in 168
     # ms, verifies at 1.86 and reads at 22 ms. Side by side torch ran 11.4 against 9.1 tokens/s
-    # (HumanEval) and 6.7 against 5.7 (Spec-Bench) with the int4 draft (docs/results/vs_llamacpp.md)
+    # (HumanEval) and 6.7 against 5.7 (Spec-Bench) with the int4 draft (docs/results/vs_llamacpp_plain_floor.md)
     table = {"bfloat16": TargetCost(0.226, {2: 0.95, 5: 0.93, 9: 0.91, 17: 1.2, 64: 1.42}, 0.005),
              "llama.cpp-bf16": TargetCost(0.168, {2: 1.06, 5: 1.39, 9: 1.86, 17: 2.9, 64: 8.4}, 0.022)}
     drafts = {("int4", "bfloat16-gemv"): DraftCost(0.026, 0.0076)}

@@ -121,3 +121,23 @@ def test_guarded_loop_keeps_the_target_distribution_chi_square(monkeypatch):
                                            costs=(0.1, 0.0))
     assert chi2_pvalue(observed, probs) > 1e-3
     assert True in CoinGuard.decisions and False in CoinGuard.decisions  # the engine asked the coin
+
+
+def test_free_drafts_alone_are_guarded_with_no_draft_cost(model_dirs):
+    from specdecode import SpeculativeDecoder
+
+    decoder = SpeculativeDecoder(model_dirs["target"], None, free_drafts="suffix", dtype="float32")
+    c, slope = decoder.guard_costs
+    assert c == 0.0 and slope >= 0.0  # a free draft costs no forward; its verify does cost
+    assert SpeculativeDecoder(model_dirs["target"], None, free_drafts="suffix", guard=False).guard_costs is None
+    assert SpeculativeDecoder(model_dirs["target"], None).guard_costs is None  # plain decoding: nothing to guard
+    # a verify priced at two steps per drafted token never pays: the free drafts get paused, and
+    # the greedy output is the same either way
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    prompt = "abcdabcebcadbcea" * 3
+    priced = SpeculativeDecoder(model_dirs["target"], None, free_drafts="suffix", dtype="float32",
+                                guard_costs=(0.0, 2.0))
+    free = SpeculativeDecoder(model_dirs["target"], None, free_drafts="suffix", dtype="float32", guard=False)
+    paused, unguarded = (d.generate(prompt, max_new_tokens=64, sampling=greedy, chat=False) for d in (priced, free))
+    assert paused.token_ids == unguarded.token_ids
+    assert unguarded.stats.num_drafted > paused.stats.num_drafted and paused.stats.num_guard_pauses >= 1

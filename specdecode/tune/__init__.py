@@ -86,7 +86,7 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None) -
     if choice.draft_kernel is None:
         # no draft model pays here; free drafts (suffix drafts by default) cost none and stay: an
         # input-grounded request copies long runs (code edits: 1.45x the llama.cpp Q4_K_M target's
-        # plain decoding, docs/results/vs_llamacpp.md)
+        # plain decoding, docs/results/vs_llamacpp_plain_floor.md)
         return Plan(LoadPlan(TargetKernel(choice.target_kernel), None, upcast_wide_reads=upcast,
                              max_rows=_rows(config)), config.num_speculative_tokens, config.free_drafts_rule, choice)
     return Plan(LoadPlan(TargetKernel(choice.target_kernel), choice.draft_kernel, choice.draft_dtype,

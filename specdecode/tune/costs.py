@@ -48,7 +48,7 @@ LOW_ALPHA = 0.6
 # Speculation is taken only where its score beats plain decoding's by this much: Eq. 1 leaves out
 # what each step costs beside the forwards (sampling and verifying per drafted token, the Python
 # loop, the draft's prompt read at a row's second step). The llama.cpp Q4_K_M target with the int4
-# draft was rated 1.07x plain and measured 0.96x on HumanEval (docs/results/vs_llamacpp.md).
+# draft was rated 1.07x plain and measured 0.96x on HumanEval (docs/results/vs_llamacpp_plain_floor.md).
 MARGIN = 0.10
 
 
@@ -121,7 +121,8 @@ class Choice:
     def describe(self) -> str:
         if self.draft_kernel is None:
             return (f"{self.target_kernel} target, plain decoding ({self.plain_rate:.1f} tokens/s expected): no draft "
-                    "pays on this machine, so none runs (an explicit dtype= skips this choice)")
+                    "model pays on this machine, so none runs (free drafts still do; a torch dtype such as "
+                    "dtype='bfloat16' skips this choice)")
         return (f"{self.target_kernel} target, {self.draft_kernel} {self.draft_dtype} draft, γ ≤ {self.gamma}: "
                 f"c = {self.c:.2f}, "
                 f"r(γ+1) = {self.r:.2f}, expected {self.speedup:.2f}x plain decoding at α = {self.alpha:.2f} "

@@ -84,10 +84,11 @@ def measure_costs(target, draft, context: list[int], sizes: list[int] = (1,), re
 
 def guard_costs(target, draft, gamma: int, encoder_decoder: bool = False) -> tuple[float, float]:
     """(c, slope) for the guard (engine.guard, Cor. 3.9): c = a draft step's time over a target
-    step's, slope = (r(γ+1) − 1) / γ, each verified draft's extra cost in target steps; timed at a
-    64-token context (an encoder–decoder pair's decoders attend to an encoded input of it)."""
-    vocab = min(target.vocab_size, draft.vocab_size)
+    step's (0 without a draft model: free drafts cost no forward), slope = (r(γ+1) − 1) / γ, each
+    verified draft's extra cost in target steps; timed at a 64-token context (an encoder–decoder
+    pair's decoders attend to an encoded input of it)."""
+    vocab = target.vocab_size if draft is None else min(target.vocab_size, draft.vocab_size)
     context = [i % vocab for i in range(100, 164)]
     costs = measure_costs(target, draft, context, [gamma + 1], repeats=3,
                           encoder_input_ids=context if encoder_decoder else None)
-    return costs["c"], max(costs["r"][gamma + 1] - 1, 0.0) / gamma
+    return costs.get("c", 0.0), max(costs["r"][gamma + 1] - 1, 0.0) / gamma
