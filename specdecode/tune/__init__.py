@@ -152,7 +152,7 @@ def _loaders(config: DecoderConfig, target: str, draft, progress=None) -> Loader
     def load_target(dtype):
         # float32 as the bfloat16 weights upcast: timing depends on the kernels, not the weights'
         # last bits, and a zoo model then needs no float32 weight cache to be timed
-        model = load_model(target, torch.bfloat16)[0]
+        model = load_model(target, torch.bfloat16, progress)[0]
         if getattr(model.config, "is_encoder_decoder", False):
             return None
         return float32(model) if dtype == torch.float32 else model
@@ -160,9 +160,9 @@ def _loaders(config: DecoderConfig, target: str, draft, progress=None) -> Loader
     def load_draft(kind, dtype):
         if dtype == torch.float32:  # the bfloat16 one upcast: its integers are the same
             return float32(load_draft(kind, torch.bfloat16))
-        model = copy.deepcopy(draft) if isinstance(draft, torch.nn.Module) else load_model(draft, dtype)[0]
+        model = copy.deepcopy(draft) if isinstance(draft, torch.nn.Module) else load_model(draft, dtype, progress)[0]
         if kind in QUANTIZATION_BITS:
-            prepare_draft_cached(model, QUANTIZATION_BITS[kind], draft if isinstance(draft, str) else None)
+            prepare_draft_cached(model, QUANTIZATION_BITS[kind], draft if isinstance(draft, str) else None, progress)
         return model
 
     def llama_target(kernel):

@@ -19,6 +19,7 @@ native bfloat16 it never is).
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import time
 from dataclasses import asdict, dataclass
@@ -79,9 +80,17 @@ def _parameter_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _free(*objects) -> None:
-    del objects
+
+
+def _release() -> None:
+    """Free what the last candidate held, so that the next one's peak is its own: its reference
+    cycles (transformers models hold some), then glibc's freed pages back to the system
+    (malloc_trim; elsewhere a no-op)."""
     gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: tuple[str, ...], max_gamma: int,
@@ -114,7 +123,8 @@ def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: 
         backends["bfloat16-gemv"].one_row_onednn = False
         with torch.inference_mode():
             times = time_interleaved(backends, context, {"bfloat16": SIZES, "bfloat16-gemv": (1,)})
-        _free(backends, model)
+        del backends, model
+        _release()
         times["bfloat16-gemv"] = {**times["bfloat16"], 1: times["bfloat16-gemv"][1]}
         costs.update({kernel: _target_cost(t) for kernel, t in times.items()})
     for kernel in (k for k in targets if k.startswith("llama.cpp")):
@@ -122,7 +132,9 @@ def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: 
         backend = loaders.llama_target(kernel)
         context = context or _context(backend.num_embeddings)
         costs[kernel] = _target_cost(time_interleaved({kernel: backend}, context, {kernel: SIZES})[kernel])
-        _free(backend)
+        backend.close()  # llama.cpp's model and context, now rather than at collection
+        del backend
+        _release()
     draft_costs = _time_drafts(loaders, draft_kinds, context, say)
     if "float32-packed" in targets and loaders.pack is not None and bf16_bytes is not None:
         bound = _float32_bound(2 * bf16_bytes / (memory_bandwidth_gbs() * 1e9), costs, draft_costs, max_gamma)
@@ -133,10 +145,12 @@ def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: 
             with torch.inference_mode():
                 measured = time_interleaved({"float32-packed": loaders.backend(model, False)}, context,
                                             {"float32-packed": SIZES})
-            _free(model)
+            del model
+            _release()
             costs["float32-packed"] = _target_cost(measured["float32-packed"])
         else:
             say(f"float32 target not timed: {bound}")
+    _release()  # the chosen models load next
     choice = choose(costs, draft_costs, max_gamma=max_gamma)
     notes = tuple(f"{kernel} target: step {1e3 * cost.step_s:.0f} ms, r(9) {cost.ratio(9):.2f}, "
                   f"prompt read {1e3 * cost.read_s_per_token:.1f} ms/token" for kernel, cost in costs.items()) + \
@@ -160,27 +174,30 @@ def _time_drafts(loaders: Loaders, kinds: tuple[str, ...], context: list[int], s
     if not kinds:
         return {}
     say(f"timing the draft's kernels ({', '.join(kinds)})")
-    backends, sizes = {}, {}
-    if "gguf" in kinds:
-        backends["gguf", "llama.cpp"] = loaders.llama_draft()
-        sizes["gguf", "llama.cpp"] = DRAFT_SIZES
-    for kind in (k for k in kinds if k != "gguf"):
-        model = loaders.draft(kind, torch.bfloat16)
-        for kernel in ("bfloat16", "bfloat16-gemv"):
-            backends[kind, kernel] = loaders.backend(model, True)
-            backends[kind, kernel].one_row_onednn = kernel == "bfloat16"
-            sizes[kind, kernel] = DRAFT_SIZES if kernel == "bfloat16" else (1,)
-        if kind in QUANTIZED_KINDS:
-            # torch's own Module.float: transformers refuses .float() on a model it loaded from
-            # GGUF, though its weights are floats (the integer layers keep their integers)
-            backends[kind, "float32"] = loaders.backend(loaders.draft(kind, torch.float32), True)
-            sizes[kind, "float32"] = DRAFT_SIZES
-    with torch.inference_mode():
-        times = time_interleaved(backends, context, sizes)
-    _free(backends)
-    read = max(DRAFT_SIZES)
-    for kind in (k for k in kinds if k != "gguf"):  # the gemv variant's prompt read is bfloat16's own
-        times[kind, "bfloat16-gemv"][read] = times[kind, "bfloat16"][read]
+    times, read = {}, max(DRAFT_SIZES)
+    for kind in kinds:  # one kind at a time, its dtypes interleaved: the peak is one kind's copies
+        backends, sizes = {}, {}
+        if kind == "gguf":
+            backends[kind, "llama.cpp"] = loaders.llama_draft()
+            sizes[kind, "llama.cpp"] = DRAFT_SIZES
+        else:
+            model = loaders.draft(kind, torch.bfloat16)
+            for kernel in ("bfloat16", "bfloat16-gemv"):
+                backends[kind, kernel] = loaders.backend(model, True)
+                backends[kind, kernel].one_row_onednn = kernel == "bfloat16"
+                sizes[kind, kernel] = DRAFT_SIZES if kernel == "bfloat16" else (1,)
+            if kind in QUANTIZED_KINDS:
+                backends[kind, "float32"] = loaders.backend(loaders.draft(kind, torch.float32), True)
+                sizes[kind, "float32"] = DRAFT_SIZES
+            del model
+        with torch.inference_mode():
+            times.update(time_interleaved(backends, context, sizes))
+        for backend in backends.values():
+            getattr(backend, "close", lambda: None)()
+        del backends
+        _release()
+        if kind != "gguf":  # the gemv variant's prompt read is bfloat16's own
+            times[kind, "bfloat16-gemv"][read] = times[kind, "bfloat16"][read]
     return {key: DraftCost(t[1], t[read] / read) for key, t in times.items()}
 
 
