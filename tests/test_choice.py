@@ -62,6 +62,19 @@ def test_a_class_where_only_bfloat16_steps_are_fast_decodes_plainly_rather_than_
     assert choose(table, drafts, alpha=0.95, low_alpha=0.95, prompt_tokens=0).target_kernel == "float32-packed"
 
 
+def test_without_amx_llama_cpps_faster_step_wins_with_a_draft():
+    # the default pair on a Zen 4 CPU (AVX-512-BF16, no AMX), 2 cores: torch's bfloat16 step 197 ms
+    # (its matrix-vector kernels), llama.cpp's BF16 GGUF 102 ms with r(k) from llama-cpp-python
+    # 0.3.36; the int4 draft 24 ms, the draft's Q4_K_M file on llama.cpp 23 ms
+    table = {"bfloat16-gemv": TargetCost(0.197, {2: 0.85, 5: 0.92, 9: 1.10, 17: 1.5, 64: 2.3}, 0.010),
+             "llama.cpp-bf16": TargetCost(0.102, {2: 1.34, 4: 1.47, 5: 1.56, 8: 1.83, 9: 1.96, 16: 2.54},
+                                          0.0116)}
+    drafts = {("int4", "bfloat16"): DraftCost(0.024, 0.002), ("gguf", "llama.cpp"): DraftCost(0.023, 0.0061)}
+    choice = choose(table, drafts)
+    assert choice.target_kernel == "llama.cpp-bf16" and choice.draft_kernel is not None
+    assert choice.gamma >= 2 and choice.speedup > 1.25
+
+
 def test_speculation_must_beat_plain_decoding_by_the_margin(monkeypatch):
     # the llama.cpp Q4_K_M target here: a k-token call costs 1.5-3.3 steps. With the int4 draft
     # (a third of a step) Eq. 1 rated it 1.07x plain at α = 0.85, and it ran 0.96x: plain decoding

@@ -14,8 +14,9 @@ configuration's rate for a planned request, P prompt tokens then N new ones, is
     E(α, γ) = (1 − α^{γ+1}) / (1 − α)   (paper Eq. 1).
 
 For each kernel pair γ_max is the largest γ whose rate at PRIOR_ALPHA is within GAMMA_TOLERANCE of
-its best, and the pair's score the geometric mean of its rates at PRIOR_ALPHA and LOW_ALPHA with
-that γ. The chooser takes the pair with the best score, or plain decoding (rate N / (P · R + N · T),
+its best, and the pair's score the geometric mean of its rate at PRIOR_ALPHA with that γ and its
+best rate at LOW_ALPHA with a γ up to it (the draft's confidence stop shortens blocks where drafts
+are often wrong). The chooser takes the pair with the best score, or plain decoding (rate N / (P · R + N · T),
 the fastest target kernel) unless a pair beats it by MARGIN. Pure: numbers in, a Choice out (tests give it cost tables of
 several CPU classes and of a GPU).
 """
@@ -175,12 +176,12 @@ def choose(targets: dict[str, TargetCost], drafts: dict[tuple[str, str], DraftCo
                 step = cost.step_s * cost.ratio(gamma + 1) + gamma * draft.step_s
                 return request_rate(read, expected_tokens(a, gamma) / step)
 
-            # γ_max for the α planned for (the confidence stop ends blocks early where drafts
-            # are often wrong); the low α then prices that γ where they are
+            # γ_max for the α planned for; where drafts are often wrong the confidence stop ends
+            # blocks early, so the low α is priced at its own best γ up to γ_max
             rates = {gamma: rate(alpha, gamma) for gamma in range(1, max_gamma + 1)}
             top = max(rates.values())
             gamma = max(g for g, r in rates.items() if r >= (1 - GAMMA_TOLERANCE) * top)
-            score = math.sqrt(rates[gamma] * rate(low_alpha, gamma))
+            score = math.sqrt(rates[gamma] * max(rate(low_alpha, g) for g in range(1, gamma + 1)))
             if score > best_score:
                 best_score = score
                 best = Choice(kernel, draft_kernel, draft_dtype, gamma, rate(alpha, gamma), best.plain_rate,
