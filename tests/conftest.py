@@ -68,3 +68,19 @@ def peaked(tmp_path_factory, char_tokenizer):
     model.save_pretrained(path)
     char_tokenizer.save_pretrained(path)
     return model, str(path)
+
+
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory):
+    """$SPECDECODE_CACHE pointed at a folder of the requesting module's own for its duration
+    (converted GGUF files, tokenizers, choices), then restored."""
+    import os
+    from pathlib import Path
+
+    before = os.environ.get("SPECDECODE_CACHE")
+    os.environ["SPECDECODE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield Path(os.environ["SPECDECODE_CACHE"])
+    if before is None:
+        del os.environ["SPECDECODE_CACHE"]
+    else:
+        os.environ["SPECDECODE_CACHE"] = before

@@ -5,7 +5,6 @@ candidates beside torch's. Tiny random Qwen2-architecture GGUFs (benchmarks/llam
 builder); the backend itself is tested in test_llamacpp.py."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -31,15 +30,9 @@ PROMPTS = [[5, 17, 33, 2, 71, 40, 8], [300, 12, 9], [44, 260, 261, 262, 11, 90, 
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cache(tmp_path_factory):
+def cache(module_cache):
     """A cache folder of this module's own (converted files, tokenizers, choices)."""
-    before = os.environ.get("SPECDECODE_CACHE")
-    os.environ["SPECDECODE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    yield Path(os.environ["SPECDECODE_CACHE"])
-    if before is None:
-        del os.environ["SPECDECODE_CACHE"]
-    else:
-        os.environ["SPECDECODE_CACHE"] = before
+    return module_cache
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ the same weights, k-token calls against one-token calls per weight type, rollbac
 selection, the engine's invariants (caches hold the committed prefix, greedy equality, seeded
 repeats) and the output distribution by chi-square with a negative control."""
 
-import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -32,15 +31,9 @@ PROMPTS = [[5, 17, 33, 2, 71, 40, 8], [300, 12, 9], [44, 260, 261, 262, 11, 90, 
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cache(tmp_path_factory):
+def cache(module_cache):
     """A cache folder of this module's own (converted files, tokenizers)."""
-    before = os.environ.get("SPECDECODE_CACHE")
-    os.environ["SPECDECODE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    yield Path(os.environ["SPECDECODE_CACHE"])
-    if before is None:
-        del os.environ["SPECDECODE_CACHE"]
-    else:
-        os.environ["SPECDECODE_CACHE"] = before
+    return module_cache
 
 
 @pytest.fixture(scope="module")
