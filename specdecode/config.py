@@ -110,10 +110,13 @@ class DecoderConfig:
             (torch bfloat16 two ways, float32 with packed weights, and with llama-cpp-python a
             llama.cpp BF16 target; every draft kernel): the model of the dequantized weights,
             computed as fast as this machine allows (specdecode.tune). "bfloat16", "float32",
-            "float16", "float64": torch in that dtype. "gguf": llama.cpp computing the target in
-            its GGUF file's own quantization (a different model, exact with respect to itself).
+            "float16", "float64": torch in that dtype, nothing timed. "gguf": llama.cpp computing
+            the target in its GGUF file's own quantization (a different model, exact with respect
+            to itself; the draft and γ are still timed and chosen, plain decoding where no draft
+            model pays).
         backend: "auto" (default; dtype decides), "torch", or "llama.cpp" (GGUF files through
-            llama-cpp-python; with dtype "auto" or "bfloat16" the target as a BF16 GGUF).
+            llama-cpp-python; with dtype "auto" or "bfloat16" the target as a BF16 GGUF, with
+            "float32" as an F32 GGUF, both converted once by llama.cpp; docs/llamacpp.md).
         device: None (where a model object is, else "cpu"), "cpu", "cuda", "cuda:N" or "mps".
         device_map: spread a target loaded by name or path over devices (transformers'
             from_pretrained device_map); offload_folder: where accelerate keeps "disk" layers.

@@ -1,7 +1,7 @@
 """The tuning layer: from a DecoderConfig and this machine to what gets loaded.
 
-`plan(config)` resolves the config's "auto" values. With dtype="auto" on the CPU it times this
-pair's candidate kernels once per machine (specdecode.tune.candidates, cached by
+`plan(config)` resolves the config's "auto" values. With dtype="auto" (or "gguf") on the CPU it
+times this pair's candidate kernels once per machine (specdecode.tune.candidates, cached by
 specdecode.tune.cache) and picks the fastest by paper Eq. 1 with the measured verify cost
 (specdecode.tune.costs); the facade then loads what the plan says (specdecode.models.pair) and
 times the guard's starting costs (specdecode.tune.timing.guard_costs). It sits above models/:
@@ -17,7 +17,6 @@ from typing import Callable
 import torch
 
 from specdecode.config import DEFAULT_DRAFT_QUANTIZATION, QUANTIZATION_BITS, DecoderConfig
-from specdecode.tune.hardware import cpu_report, describe, native_bfloat16
 from specdecode.models import llamacpp, packed, zoo
 from specdecode.models.loading import gguf_source, is_gguf, load_model, parse_device
 from specdecode.models.kernels import TargetKernel
@@ -26,6 +25,7 @@ from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.tune import cache
 from specdecode.tune.candidates import Loaders, measure_and_choose
 from specdecode.tune.costs import Choice
+from specdecode.tune.hardware import cpu_report, describe, native_bfloat16
 from specdecode.tune.timing import guard_costs
 
 __all__ = ["Plan", "plan", "guard_costs"]
@@ -84,9 +84,9 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None) -
         progress(f"chose for this machine ({describe(cpu_report())}): {choice.describe()}")
     upcast = not native_bfloat16()
     if choice.draft_kernel is None:
-        # no draft model pays here; free drafts (suffix drafts by default) cost none and stay: an
-        # input-grounded request copies long runs (code edits: 1.45x the llama.cpp Q4_K_M target's
-        # plain decoding, docs/results/vs_llamacpp_plain_floor.md)
+        # no draft model pays here; free drafts (suffix drafts by default, guarded) cost none and
+        # stay: an input-grounded request copies long runs (code edits: 1.82x the llama.cpp Q4_K_M
+        # target's plain decoding, docs/results/vs_llamacpp_gguf.md)
         return Plan(LoadPlan(TargetKernel(choice.target_kernel), None, upcast_wide_reads=upcast,
                              max_rows=_rows(config)), config.num_speculative_tokens, config.free_drafts_rule, choice)
     return Plan(LoadPlan(TargetKernel(choice.target_kernel), choice.draft_kernel, choice.draft_dtype,
