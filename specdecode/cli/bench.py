@@ -81,8 +81,9 @@ def run(args, parser) -> int:
         decoder = build_decoder(args.decoder_config, progress)
         hf_drafts = {}
         for label in args.hf_draft if decoder.draft is not None and schedules else ():
-            if label == "ours" or args.quantize_draft == "none":  # ours, or ours is the float one
-                hf_drafts[label] = decoder.draft.backend.model
+            own = getattr(decoder.draft.backend, "model", None)  # None: a draft on llama.cpp
+            if own is not None and (label == "ours" or args.quantize_draft == "none"):  # ours, or ours is float
+                hf_drafts[label] = own
             else:
                 from specdecode.models.loading import load_model
 

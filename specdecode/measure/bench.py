@@ -152,7 +152,9 @@ def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: li
     if not headline:
         configs["prompt lookup alone"] = _our_runner(
             target, lambda: PromptLookupProposer(target.vocab_size), decoder.num_speculative_tokens, new_tokens, sampling)
-    hf_drafts = hf_drafts or ({"ours": decoder.draft.backend.model} if draft is not None else {})
+    # transformers' assisted generation needs a transformers draft (not one on llama.cpp)
+    own = getattr(decoder.draft.backend, "model", None) if draft is not None else None
+    hf_drafts = hf_drafts or ({"ours": own} if own is not None else {})
     for spec in hf_schedules if hf_drafts else ():
         schedule, _, label = spec.partition("@")
         label = label or next(iter(hf_drafts))
@@ -287,7 +289,8 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
                  headline: bool = False, compare_verification: bool = False, tree_widths: list[int] = (),
                  progress: Callable[[int, int, str], None] | None = None) -> dict:
     """Run the benchmark and write OUT.{json,md} and OUT_*.png. Raises ValueError for an
-    encoder–decoder pair (not supported yet). Returns {"meta", "costs", "rows",
+    encoder–decoder pair (not supported yet) or a target on llama.cpp (no transformers model to
+    compare with). Returns {"meta", "costs", "rows",
     "theory", "batch"}. batch_sizes: also time batched plain and speculative decoding (the decoder as
     configured) at these batch sizes (specdecode.measure.batch_bench). compare_verification,
     tree_widths: see build_configs."""
@@ -301,6 +304,10 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
 
     if decoder.is_encoder_decoder:
         raise ValueError("specdecode bench measures decoder-only pairs; encoder-decoder pairs are not supported yet")
+    if not hasattr(decoder.target.backend, "model"):
+        raise ValueError("specdecode bench compares with transformers' generate on the same model, which a target "
+                         "on llama.cpp does not have: pass --backend torch, or run benchmarks/vs_llamacpp.py "
+                         "for the comparison with llama.cpp's own decoding")
     prompts = [(task, decoder.encode(p.text, chat=None if p.chat else False))
                for task in tasks for p in load_prompts(task, prompts_per_task)]
     max_k = max(gammas + [decoder.num_speculative_tokens]) + 1
