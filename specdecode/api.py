@@ -56,7 +56,8 @@ class SpeculativeDecoder:
     """Exact speculative decoding of a target model with a draft model (paper Algorithm 1).
 
     Args:
-        target: "default" (the zoo pair's target), a zoo name, a local path, a hub id, or a loaded
+        target: "default" (the zoo pair's target), a zoo name, a local directory, a GGUF file
+            (torch dequantizes it; llama.cpp runs it: docs/llamacpp.md), a hub id, or a loaded
             transformers PreTrainedModel (then `tokenizer` is required).
         draft: the same forms, or None for plain decoding. An encoder–decoder target
             (config.is_encoder_decoder: T5, flan-t5, BART; paper §4.1) needs an encoder–decoder
@@ -78,6 +79,8 @@ class SpeculativeDecoder:
             model, tokenizers that differ where a draft of another vocabulary cannot work, an
             encoder–decoder model paired with a decoder-only one, an unavailable device.
         FileNotFoundError: the default pair's part packages are not installed.
+        ImportError: the llama.cpp backend asked for (backend, dtype="gguf", quantize_draft="gguf")
+            without llama-cpp-python installed (the message says what to install).
     """
 
     def __init__(self, target="default", draft="default", *, tokenizer=None,
