@@ -140,6 +140,7 @@ class SpeculativeDecoder:
     verification = property(lambda self: self.decoder_config.verification)
     tree_width = property(lambda self: self.decoder_config.tree_width)
     tree_confidence = property(lambda self: self.decoder_config.tree_confidence)
+    prompt_lookup = property(lambda self: self.free_drafts)  # the free drafts' kind ("suffix", "ngram") or None
 
     def configuration(self) -> dict:
         """What runs, for reports (`generate --json`, the server's /v1/models, `bench`): {"dtype":
