@@ -10,7 +10,7 @@ from specdecode import SamplingParams, SpeculativeDecoder
 from specdecode.config import DecoderConfig
 from specdecode.models import packed
 from specdecode.tune import cache as choice_cache
-from specdecode.tune import candidates
+from specdecode.tune import candidates, hardware
 from specdecode.tune.costs import Choice
 
 GREEDY = SamplingParams(temperature=0)
@@ -25,6 +25,8 @@ def cache(tmp_path, monkeypatch):
 @pytest.fixture
 def timed_when_tiny(monkeypatch):
     monkeypatch.setattr(candidates, "AUTO_MIN_PARAMETERS", 0)
+    # whatever else runs on this machine, these tests' choices are cached (the busy case below)
+    monkeypatch.setattr(hardware, "BUSY_CORES", float("inf"))
 
 
 ALL_KINDS = ("int4", "int8", "none")
@@ -134,6 +136,16 @@ def test_an_unreadable_cache_file_is_measured_again(model_dirs, cache, timed_whe
     assert choice_cache.load_choice(key) is None
     assert SpeculativeDecoder(model_dirs["target"], model_dirs["draft"]).choice is not None
     assert choice_cache.load_choice(key) is not None
+
+
+def test_a_choice_measured_while_other_processes_were_busy_is_used_and_not_cached(model_dirs, cache,
+                                                                                 timed_when_tiny, monkeypatch):
+    monkeypatch.setattr(hardware, "BUSY_CORES", -1.0)  # any other load counts as busy
+    lines = []
+    decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], progress=lines.append)
+    assert decoder.choice is not None and "not cached" in decoder.choice.notes[-1]
+    assert any("not cached" in line for line in lines)
+    assert choice_cache.load_choice(_key(model_dirs)) is None  # the next start measures again
 
 
 def test_float32_candidates_work_on_a_model_transformers_marks_quantized():

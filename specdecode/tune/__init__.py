@@ -11,6 +11,7 @@ models load and check, this layer measures and chooses.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,7 +26,7 @@ from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.tune import cache
 from specdecode.tune.candidates import Loaders, measure_and_choose
 from specdecode.tune.costs import Choice
-from specdecode.tune.hardware import cpu_report, describe, native_bfloat16
+from specdecode.tune.hardware import CpuWatch, cpu_report, describe, native_bfloat16
 from specdecode.tune.timing import guard_costs
 
 __all__ = ["Plan", "plan", "guard_costs"]
@@ -75,11 +76,19 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None) -
     key = choice_key(config)
     choice = cache.load_choice(key)
     if choice is None:
-        choice = measure_and_choose(_loaders(config, target, draft, progress), targets, kinds,
-                                    config.num_speculative_tokens, progress)
+        with CpuWatch() as watch:
+            choice = measure_and_choose(_loaders(config, target, draft, progress), targets, kinds,
+                                        config.num_speculative_tokens, progress)
         if choice is None:  # not worth timing: bfloat16 as given
             return static
-        cache.save_choice(key, choice)
+        if watch.busy:  # timings taken beside other work mislead; the next start measures again
+            note = (f"measured while other processes kept {watch.others_cores:.1f} cores busy: used for this "
+                    "start, not cached (the next start measures again)")
+            choice = dataclasses.replace(choice, notes=choice.notes + (note,))
+            if progress:
+                progress(note)
+        else:
+            cache.save_choice(key, choice)
     if progress:
         progress(f"chose for this machine ({describe(cpu_report())}): {choice.describe()}")
     upcast = not native_bfloat16()

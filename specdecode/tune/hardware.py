@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 
 import torch
 
@@ -22,6 +23,58 @@ KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf1
 # Environment variables that make this machine act as an older one (docs/auto-configuration.md: all three
 # emulate an AVX2-only CPU): they must show in every report made under them.
 EMULATION_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
+# Cores other processes may keep busy, on average, while the candidates are timed before the choice
+# is left out of the cache: a compile and a second model load beside the first start made a 38 ms
+# llama.cpp step read 6.4 s and the chooser pick a draft that plain decoding beats.
+BUSY_CORES = 0.5
+
+
+class CpuWatch:
+    """A context manager: how many cores other processes kept busy, on average, while it was open.
+
+    others_cores: float, from the machine's busy time (/proc/stat: user, nice, system, irq,
+    softirq and steal, the hypervisor's share) less this process's own and its children's
+    (os.times), over the wall time; 0.0 where /proc/stat is missing.  busy: others_cores >=
+    BUSY_CORES.
+    """
+
+    others_cores = 0.0
+
+    def __enter__(self) -> "CpuWatch":
+        self._start = _machine_busy_seconds(), _own_seconds(), time.monotonic()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        machine, own, wall = _machine_busy_seconds(), _own_seconds(), time.monotonic()
+        if machine is not None and self._start[0] is not None and wall > self._start[2]:
+            others = (machine - self._start[0]) - (own - self._start[1])
+            self.others_cores = max(0.0, others / (wall - self._start[2]))
+
+    @property
+    def busy(self) -> bool:
+        return self.others_cores >= BUSY_CORES
+
+
+def has_cpu_counters() -> bool:
+    """Whether CpuWatch can see other processes here (Linux's /proc/stat)."""
+    return _machine_busy_seconds() is not None
+
+
+def _machine_busy_seconds() -> float | None:
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+    return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def _cpuinfo() -> tuple[str, set[str]]:
