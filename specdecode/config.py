@@ -40,6 +40,9 @@ Backend = Literal["auto", "torch", "llama.cpp"]
 DeviceMap = Literal["auto", "balanced", "balanced_low_0", "sequential"]
 
 QUANTIZATION_BITS = {"int8": 8, "int4": 4}
+# the most rows a llama.cpp model holds: llama.cpp's 256 sequences (LLAMA_MAX_SEQ), one kept for
+# reading prompt logprobs apart from the rows
+LLAMA_MAX_ROWS = 255
 
 
 def _is_int(value) -> bool:
@@ -161,8 +164,11 @@ class DecoderConfig:
         """
         if "prompt_lookup" in options:
             old = options.pop("prompt_lookup")
-            new = {True: "suffix", False: "off", None: "auto", "suffix": "suffix", "ngram": "ngram"}.get(old, old) \
-                if isinstance(old, (bool, str, type(None))) else old
+            spellings = {True: "suffix", False: "off", None: "auto", "suffix": "suffix", "ngram": "ngram"}
+            if not isinstance(old, (bool, str, type(None))) or old not in spellings:
+                raise ValueError(f"prompt_lookup (now free_drafts) must be True, False, None, 'suffix' or 'ngram', "
+                                 f"got {old!r}")
+            new = spellings[old]
             if "free_drafts" in options:
                 raise TypeError("give free_drafts or its old name prompt_lookup, not both")
             if old is not None:
@@ -218,6 +224,9 @@ class DecoderConfig:
             raise ValueError(f"guard_costs must be two numbers >= 0 (c, slope), got {self.guard_costs!r}")
         if self.max_batch_size is not None and (not _is_int(self.max_batch_size) or self.max_batch_size < 1):
             raise ValueError(f"max_batch_size must be None or an integer >= 1, got {self.max_batch_size!r}")
+        for name in ("guard", "use_generation_config"):
+            if not isinstance(getattr(self, name), bool):  # guard="no" would be truthy: on
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.device_map, (dict, type(None))):
             _one_of("device_map", self.device_map, DeviceMap)
         self._check_combinations()
@@ -228,7 +237,7 @@ class DecoderConfig:
         if self.tree_width > 1 and self.verification != "token":
             raise ValueError("tree_width > 1 needs verification='token': token trees are verified by their own rule")
         if self.device_map is not None and (self.device is not None or given_target):
-            raise ValueError("device_map places a target loaded by name or path; give it without device= and with "
+            raise ValueError("device_map places a target loaded by name or path; give it with no device and with "
                              "the target as a name or path")
         if self.device is not None and not str(self.device).startswith("cpu") \
                 and self.quantize_draft in QUANTIZATION_BITS:
@@ -237,7 +246,11 @@ class DecoderConfig:
         llama = self.uses_llama_cpp
         if llama and (self.device not in (None, "cpu") or self.device_map is not None):
             raise ValueError("the llama.cpp backend runs where llama-cpp-python was built for (the CPU here): "
-                             "give it without device= or device_map=")
+                             "give it with no device or device_map")
+        if (llama or self.quantize_draft == "gguf") and (self.max_batch_size or 0) > LLAMA_MAX_ROWS:
+            raise ValueError(f"max_batch_size must be <= {LLAMA_MAX_ROWS} with the llama.cpp backend (llama.cpp holds "
+                             f"at most {LLAMA_MAX_ROWS + 1} sequences, one kept for prompt logprobs), got "
+                             f"{self.max_batch_size}")
         if llama and given_target:
             raise ValueError("the llama.cpp backend loads GGUF files by path or zoo name, not model objects; "
                              "pass backend='torch' for a loaded PreTrainedModel")
@@ -250,7 +263,7 @@ class DecoderConfig:
         if self.quantize_draft == "gguf" and (self.device not in (None, "cpu") or self.device_map is not None
                                               or (self.draft is not None and not isinstance(self.draft, str))):
             raise ValueError("quantize_draft='gguf' runs the draft's GGUF file on llama.cpp, on the CPU: give the "
-                             "draft as a zoo name or a .gguf path, without device= or device_map=")
+                             "draft as a zoo name or a .gguf path, with no device or device_map")
         if llama and self.tree_width > 1:
             raise ValueError("token trees (tree_width > 1) need a custom attention mask, which the llama.cpp "
                              "backend does not have; use tree_width=1 or backend='torch'")

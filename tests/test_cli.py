@@ -199,6 +199,7 @@ def fake_reports(monkeypatch):
 
     monkeypatch.setattr(specdecode.measure.alpha, "alpha_report", fake_report)
     monkeypatch.setattr(specdecode.measure.bench, "bench_report", fake_report)
+    monkeypatch.setattr(specdecode.measure.bench, "check_benchable", lambda decoder: None)
     for command in ("alpha", "bench"):
         monkeypatch.setattr(f"specdecode.cli.{command}.build_decoder", lambda args, progress: SimpleNamespace(draft=None))
     return outs

@@ -21,7 +21,7 @@ from specdecode import SamplingParams, SpeculativeDecoder  # noqa: E402
 from specdecode.cli import main  # noqa: E402
 from specdecode.models.llamacpp import LlamaCppLM  # noqa: E402
 from specdecode.config import DecoderConfig  # noqa: E402
-from specdecode.tune import candidates  # noqa: E402
+from specdecode.tune import candidates, hardware  # noqa: E402
 from specdecode.tune.cache import save_choice  # noqa: E402
 from specdecode.tune.costs import Choice  # noqa: E402
 
@@ -108,6 +108,7 @@ def test_a_directory_target_on_llama_cpp_is_refused_with_what_to_do(model_dirs):
 
 def test_auto_times_llama_cpp_beside_torch_and_loads_what_it_chose(gguf, monkeypatch):
     monkeypatch.setattr(candidates, "AUTO_MIN_PARAMETERS", 0)
+    monkeypatch.setattr(hardware, "BUSY_CORES", float("inf"))  # cached whatever else runs here
     lines = []
     decoder = SpeculativeDecoder(gguf["target"], gguf["draft"], progress=lines.append)
     notes = "\n".join(decoder.choice.notes)

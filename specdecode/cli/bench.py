@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
 
 def run(args, parser) -> int:
     from specdecode import SamplingParams
-    from specdecode.measure.bench import bench_report
+    from specdecode.measure.bench import bench_report, check_benchable
 
     schedules = _check(args, parser)
     try:
@@ -79,6 +79,7 @@ def run(args, parser) -> int:
     progress = stderr_progress(args)
     try:
         decoder = build_decoder(args.decoder_config, progress)
+        check_benchable(decoder)  # before transformers' copies of the draft load
         hf_drafts = {}
         for label in args.hf_draft if decoder.draft is not None and schedules else ():
             own = getattr(decoder.draft.backend, "model", None)  # None: a draft on llama.cpp
@@ -105,6 +106,10 @@ def run(args, parser) -> int:
 def _check(args, parser) -> list[str]:
     """Bad flags exit 2 before any model loads; returns the transformers assisted schedules to run."""
     args.decoder_config = decoder_config(args, parser)
+    if args.decoder_config.uses_llama_cpp:
+        from specdecode.measure.bench import LLAMA_TARGET
+
+        parser.error(LLAMA_TARGET)
     if args.quick:
         args.prompts, args.new_tokens, args.repeats, args.gammas = 2, 24, 1, [2, 4]
     if args.prompts < 1 or args.new_tokens < 2 or args.repeats < 1 or any(g < 1 for g in args.gammas):

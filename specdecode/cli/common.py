@@ -254,7 +254,7 @@ def served_name(args) -> str:
     if args.served_model_name:
         return args.served_model_name
     target = str(args.target)
-    return os.path.basename(target.rstrip("/")) if os.path.isdir(target) else target
+    return os.path.basename(target.rstrip("/")) if os.path.exists(target) else target
 
 
 def error(err: Exception) -> int:

@@ -283,6 +283,20 @@ def _measured(row: dict) -> float:
     return row.get("speedup_vs_plain", row["speedup"]["all"])
 
 
+LLAMA_TARGET = ("specdecode bench compares with transformers' generate on the same model, which a target on "
+                "llama.cpp does not have: pass --backend torch, or run benchmarks/vs_llamacpp.py for the "
+                "comparison with llama.cpp's own decoding")
+
+
+def check_benchable(decoder) -> None:
+    """Raises ValueError for a decoder bench cannot compare with transformers: an encoder–decoder
+    pair (not supported yet) or a target on llama.cpp."""
+    if decoder.is_encoder_decoder:
+        raise ValueError("specdecode bench measures decoder-only pairs; encoder-decoder pairs are not supported yet")
+    if not hasattr(decoder.target.backend, "model"):
+        raise ValueError(LLAMA_TARGET)
+
+
 def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens: int, repeats: int,
                  gammas: list[int], sampling: SamplingParams, hf_schedules: list[str], out: str,
                  hf_drafts: dict | None = None, lenience: list[float] = (), batch_sizes: list[int] = (),
@@ -302,12 +316,7 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
     )
     from specdecode.measure.report import environment, fmt, markdown_table, write
 
-    if decoder.is_encoder_decoder:
-        raise ValueError("specdecode bench measures decoder-only pairs; encoder-decoder pairs are not supported yet")
-    if not hasattr(decoder.target.backend, "model"):
-        raise ValueError("specdecode bench compares with transformers' generate on the same model, which a target "
-                         "on llama.cpp does not have: pass --backend torch, or run benchmarks/vs_llamacpp.py "
-                         "for the comparison with llama.cpp's own decoding")
+    check_benchable(decoder)
     prompts = [(task, decoder.encode(p.text, chat=None if p.chat else False))
                for task in tasks for p in load_prompts(task, prompts_per_task)]
     max_k = max(gammas + [decoder.num_speculative_tokens]) + 1

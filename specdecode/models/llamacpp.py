@@ -127,6 +127,15 @@ class _Batch:
         self.struct.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
 
 
+def check_gguf_header(path) -> None:
+    """Raises ValueError where path does not start as a GGUF file does (b"GGUF", version 2 or 3):
+    an empty, damaged or renamed file is refused before any model loads."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8 or head[:4] != b"GGUF" or int.from_bytes(head[4:], "little") not in (2, 3):
+        raise ValueError(f"{str(path)!r} is not a GGUF file (it does not start with a GGUF v2/v3 header)")
+
+
 class LlamaCppLM:
     """A GGUF causal LM on llama.cpp for B ragged rows (see module doc): the engine's backend
     protocol (specdecode.models), as HFCausalLM has it, without token trees.
@@ -156,8 +165,8 @@ class LlamaCppLM:
         eos_token_ids: the ids llama.cpp ends generation on (its end-of-generation set).
     Raises:
         ImportError: llama-cpp-python missing.  FileNotFoundError: no such file.
-        ValueError: an argument out of range.  RuntimeError: llama.cpp cannot load the file or
-            allocate the context.
+        ValueError: an argument out of range, not a GGUF file, or one llama.cpp cannot load.
+        RuntimeError: llama.cpp cannot allocate the context.
     """
 
     SCORE_CHUNK = 128  # positions score() asks logits for per call (llama.cpp keeps a buffer that large)
@@ -169,6 +178,7 @@ class LlamaCppLM:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {str(path)!r}")
+        check_gguf_header(path)
         if n_ctx < 1 or max_rows < 1 or n_batch < 1 or n_ubatch < 1 or (n_threads is not None and n_threads < 1):
             raise ValueError(f"n_ctx, max_rows, n_batch, n_ubatch and n_threads must be >= 1, got "
                              f"{n_ctx}, {max_rows}, {n_batch}, {n_ubatch}, {n_threads}")
@@ -187,8 +197,9 @@ class LlamaCppLM:
         self.repacked = repack_works(path) if repack is None else repack
         params.use_extra_bufts = self.repacked
         self._model = lib.llama_model_load_from_file(str(path).encode(), params)
-        if not self._model:
-            raise RuntimeError(f"llama.cpp could not load {str(path)!r} (see the error above)")
+        if not self._model:  # its log above says why
+            raise ValueError(f"llama.cpp could not load {str(path)!r}: a damaged or truncated GGUF file, a model "
+                             "architecture this llama.cpp build does not know, or too little memory")
         self._ctx = None
         self._vocab = lib.llama_model_get_vocab(self._model)
         self.vocab_size = self.num_embeddings = lib.llama_vocab_n_tokens(self._vocab)
@@ -269,7 +280,8 @@ class LlamaCppLM:
             self._model = None
 
     def __del__(self):
-        if not sys.is_finalizing():  # at exit the ctypes functions may be gone; the OS frees it all
+        # after a refused __init__ there is nothing to free
+        if not sys.is_finalizing() and hasattr(self, "_lib"):  # at exit the ctypes functions may be gone; the OS frees it all
             self.close()
 
     # --- rows --------------------------------------------------------------------------------------
@@ -653,7 +665,7 @@ def quantize_gguf(source_path, dest_path, kind: str) -> None:
     requantizing a quantized source allowed: it is dequantized first).
 
     Raises:
-        ValueError: unknown kind.  RuntimeError: llama.cpp failed (its error is on stderr).
+        ValueError: unknown kind, or llama.cpp failed (its error is on stderr).
     """
     if kind not in FTYPES:
         raise ValueError(f"unknown GGUF weight type {kind!r}; use one of {', '.join(FTYPES)}")
@@ -663,5 +675,5 @@ def quantize_gguf(source_path, dest_path, kind: str) -> None:
     params.nthread = torch.get_num_threads()
     code = lib.llama_model_quantize(str(source_path).encode(), str(dest_path).encode(), ctypes.byref(params))
     if code != 0:
-        raise RuntimeError(f"llama.cpp could not convert {Path(source_path).name} to {kind} "
-                           f"(llama_model_quantize returned {code})")
+        raise ValueError(f"llama.cpp could not convert {Path(source_path).name} to {kind} "
+                         f"(llama_model_quantize returned {code}: a damaged GGUF file, or no room on disk)")

@@ -47,10 +47,19 @@ def check_model_spec(spec) -> None:
         return
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"model must be a zoo name, a local path, a GGUF file or a hub id, got {spec!r}")
-    if os.path.isdir(spec) or (is_gguf(spec) and os.path.isfile(spec)):
+    path = os.path.expanduser(spec)
+    if os.path.isdir(path):
+        return
+    if is_gguf(spec) and os.path.isfile(path):
+        from specdecode.models.llamacpp import check_gguf_header
+
+        check_gguf_header(path)
         return
     if is_gguf(spec):
         raise ValueError(f"GGUF file {spec!r} does not exist")
+    if os.path.exists(path):
+        raise ValueError(f"{spec!r} is a file but not a model: give a directory saved with save_pretrained, or a "
+                         "GGUF file named *.gguf")
     looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") > 1 or os.sep + os.sep in spec
     if looks_like_path:
         raise ValueError(f"model path {spec!r} does not exist. Known offline models: {', '.join(zoo.ZOO)}")

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from specdecode.config import DEFAULT_DRAFT_QUANTIZATION, QUANTIZATION_BITS, DecoderConfig
+from specdecode.config import DEFAULT_DRAFT_QUANTIZATION, LLAMA_MAX_ROWS, QUANTIZATION_BITS, DecoderConfig
 from specdecode.models import llamacpp, packed, zoo
 from specdecode.models.loading import gguf_source, is_gguf, load_model, parse_device
 from specdecode.models.kernels import TargetKernel
@@ -132,7 +132,8 @@ def candidates_of(config: DecoderConfig, quantization: str) -> tuple[tuple[str, 
     """(target kernels, draft kinds) that dtype="auto" (or "gguf") times for this config;
     quantization: quantize_draft with "auto" resolved as plan() resolves it."""
     target, draft = model_names(config)
-    llama = llamacpp.available()
+    # llama.cpp holds at most LLAMA_MAX_ROWS rows
+    llama = llamacpp.available() and (config.max_batch_size or 0) <= LLAMA_MAX_ROWS
     if config.dtype == "gguf":
         targets = (TargetKernel.LLAMA_GGUF.value,)
     else:
