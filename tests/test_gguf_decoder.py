@@ -123,6 +123,18 @@ def test_auto_times_llama_cpp_beside_torch_and_loads_what_it_chose(gguf, monkeyp
     assert again.choice == decoder.choice
 
 
+def test_the_choice_cache_key_names_the_llama_cpp_build(gguf, monkeypatch):
+    # an AVX2-only build of llama.cpp runs other kernels: its timings are not this build's
+    from specdecode.models import llamacpp
+
+    config = DecoderConfig(gguf["target"], gguf["draft"])
+    torch_only = DecoderConfig(gguf["target"], gguf["draft"], backend="torch", quantize_draft="int4")
+    keys = tune.choice_key(config), tune.choice_key(torch_only)
+    monkeypatch.setattr(llamacpp, "system_info", lambda: "CPU : SSE3 = 1 | AVX2 = 1 | REPACK = 1 |")
+    assert tune.choice_key(config) != keys[0]
+    assert tune.choice_key(torch_only) == keys[1]  # no llama.cpp candidate: its build does not matter
+
+
 def test_cli_generates_from_gguf_files_and_reports_the_backend(gguf, capsys):
     code = main(["generate", "hello", "--raw", "--target", gguf["target"], "--draft", gguf["draft"], "--dtype",
                  "gguf", "--temperature", "0", "--max-new-tokens", "6", "--json", "--quiet"])

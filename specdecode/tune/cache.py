@@ -18,14 +18,18 @@ CACHE_VERSION = 7  # bumped when what is measured or how the choice is made chan
 
 def cache_key(target_name: str, draft_name: str | None, max_gamma: int, candidates: tuple[str, ...]) -> str:
     """What a measurement depends on: this machine (CPU, flags, torch, threads, emulation), the
-    pair, γ_max, the candidates timed and the library's versions."""
+    pair, γ_max, the candidates timed and the library's versions (llama.cpp's build too where it is
+    a candidate: an AVX2-only build runs other kernels than an AVX-512 one)."""
     import transformers
 
+    from specdecode.models import llamacpp
     from specdecode.models.quant import kernel_layout
 
     parts = {"machine": cpu_report(), "target": target_name, "draft": draft_name, "max_gamma": max_gamma,
              "candidates": list(candidates), "transformers": transformers.__version__, "kernels": kernel_layout(),
              "version": CACHE_VERSION}
+    if any(c.startswith("llama.cpp") or c == "gguf" for c in candidates):
+        parts["llama.cpp"] = llamacpp.system_info()
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
