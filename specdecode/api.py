@@ -5,6 +5,7 @@ request path (specdecode.frontend.builder) and the engine with its driver (specd
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
 from typing import Callable, Iterator
 
@@ -42,8 +43,29 @@ class GenerationStream:
         if self._started:
             raise RuntimeError("a GenerationStream can be iterated only once")
         self._started = True
-        self.result = yield from self._driver.stream(self._request_id)
+        # A token whose text a possible stop string holds back waits until its text is released:
+        # if a stop cuts the output before it, it is past the cut and its logprob is dropped, as
+        # result.logprobs and the server drop it (its id and any text it releases still come).
+        held, released = [], 0
+        events = self._driver.stream(self._request_id)
+        try:
+            while True:
+                try:
+                    event = next(events)
+                except StopIteration as end:
+                    self.result = end.value
+                    break
+                held.append(event)
+                released += len(event.text)
+                ready = next((i for i, e in enumerate(held) if e.text_offset >= released), len(held))
+                yield from held[:ready]
+                del held[:ready]
+        finally:
+            events.close()  # stopped early: the request is aborted now
         self._finalizer.detach()
+        returned = self.result.num_returned_tokens - (len(self.result.token_ids) - len(held))
+        for i, event in enumerate(held):
+            yield event if i < returned else dataclasses.replace(event, logprob=None)
 
     def close(self) -> None:
         """Abort the request if it has not finished (its row leaves the batch)."""

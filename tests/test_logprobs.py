@@ -123,4 +123,7 @@ def test_the_results_logprobs_cover_exactly_the_text_a_stop_string_leaves(script
         body = responses.full_response(responses.ResponseIds(False, "m"), [result], 3, decoder.tokenizer)
         assert body["choices"][0]["logprobs"]["tokens"] == [" landsc"]
         assert body["choices"][0]["logprobs"]["text_offset"] == [0]
-    assert [e.logprob for e in events][:1] == stream.result.logprobs
+    # the stream lists every token and all the text; a token past the cut has no logprob, as in the result
+    assert [e.token_id for e in events] == stream.result.token_ids
+    assert "".join(e.text for e in events) == stream.result.text
+    assert [e.logprob for e in events if e.logprob is not None] == stream.result.logprobs
