@@ -280,8 +280,9 @@ class LlamaCppLM:
             self._model = None
 
     def __del__(self):
-        # after a refused __init__ there is nothing to free
-        if not sys.is_finalizing() and hasattr(self, "_lib"):  # at exit the ctypes functions may be gone; the OS frees it all
+        # at exit the ctypes functions (and this module's globals: `sys` may be None by then) may
+        # be gone, and the OS frees it all; after a refused __init__ there is nothing to free
+        if sys is not None and not sys.is_finalizing() and hasattr(self, "_lib"):
             self.close()
 
     # --- rows --------------------------------------------------------------------------------------
