@@ -142,7 +142,9 @@ def test_any_draft_goes_with_any_target_kernel():
 def test_no_draft_costs_means_plain_decoding_with_the_fastest_kernel():
     choice = choose(AVX2, {})
     assert isinstance(choice, Choice) and choice.draft_kernel is None and choice.target_kernel == "float32-packed"
-    assert "plain decoding" in choice.describe()
+    # no draft model was given (--draft none): the line does not say that none pays
+    assert "the fastest target kernel here" in choice.describe() and "pays" not in choice.describe()
+    assert "no draft model pays" in choose(AVX2, {("none", "bfloat16"): DraftCost(0.29, 0.03)}).describe()
 
 
 def test_ratio_interpolates_and_extrapolates():

@@ -216,6 +216,16 @@ def test_alpha_and_bench_write_into_a_new_folder_by_default(command, fake_report
     assert "# the report" in captured.out and f"wrote {out}.json, {out}.md" in captured.err
 
 
+def test_bench_runs_the_target_on_torch_whatever_auto_would_choose(fake_reports, tmp_path, monkeypatch):
+    # it compares with transformers on the same model; dtype="auto" may pick llama.cpp for generate
+    seen = []
+    monkeypatch.setattr("specdecode.cli.bench.build_decoder",
+                        lambda config, progress: seen.append(config) or SimpleNamespace(draft=None))
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--tasks", "translation"]) == 0
+    assert seen[0].backend == "torch" and seen[0].dtype == "auto"
+
+
 @pytest.mark.parametrize("command", ["alpha", "bench"])
 def test_alpha_and_bench_refuse_an_existing_default_folder(command, fake_reports, tmp_path, monkeypatch, capsys):
     import specdecode.cli.common

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -110,6 +111,9 @@ def _check(args, parser) -> list[str]:
         from specdecode.measure.bench import LLAMA_TARGET
 
         parser.error(LLAMA_TARGET)
+    # bench compares with transformers on the same model: the target runs on torch, whatever
+    # dtype="auto" would choose for generate (llama.cpp: benchmarks/vs_llamacpp.py)
+    args.decoder_config = dataclasses.replace(args.decoder_config, backend="torch")
     if args.quick:
         args.prompts, args.new_tokens, args.repeats, args.gammas = 2, 24, 1, [2, 4]
     if args.prompts < 1 or args.new_tokens < 2 or args.repeats < 1 or any(g < 1 for g in args.gammas):

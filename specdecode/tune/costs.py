@@ -113,6 +113,7 @@ class Choice:
     alpha: float = PRIOR_ALPHA
     low_alpha: float = LOW_ALPHA
     notes: tuple[str, ...] = field(default_factory=tuple)
+    draft_timed: bool = True  # False: no draft model was given, only target kernels were compared
 
     @property
     def speedup(self) -> float:
@@ -120,6 +121,8 @@ class Choice:
         return self.rate / self.plain_rate
 
     def describe(self) -> str:
+        if self.draft_kernel is None and not self.draft_timed:
+            return f"{self.target_kernel} target ({self.plain_rate:.1f} tokens/s expected): the fastest target kernel here"
         if self.draft_kernel is None:
             return (f"{self.target_kernel} target, plain decoding ({self.plain_rate:.1f} tokens/s expected): no draft "
                     "model pays on this machine, so none runs (free drafts still do; a torch dtype such as "
@@ -166,7 +169,7 @@ def choose(targets: dict[str, TargetCost], drafts: dict[tuple[str, str], DraftCo
     plain = {kernel: request_rate(cost.read_s_per_token, 1 / cost.step_s) for kernel, cost in targets.items()}
     plain_kernel = max(plain, key=plain.get)
     best = Choice(plain_kernel, None, None, 0, plain[plain_kernel], plain[plain_kernel], alpha=alpha,
-                  low_alpha=low_alpha)
+                  low_alpha=low_alpha, draft_timed=bool(drafts))
     best_score = (1 + MARGIN) * plain[plain_kernel]
     for kernel, cost in targets.items():
         for (draft_kernel, draft_dtype), draft in drafts.items():
