@@ -60,6 +60,25 @@ def test_speculative_greedy_with_a_packed_target_equals_plain_greedy():
     assert plain.token_ids == unpacked.token_ids
 
 
+def test_packing_frees_each_dense_weight_before_the_next_layer_is_packed(monkeypatch):
+    # the peak of packing a model is one layer's two copies, not the model's (a 1.5B float32
+    # target peaked at 13.5 GB while a list of every module kept the dense weights alive)
+    import weakref
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)],
+                                torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()))
+    dense, alive, pack = [], [], packed.PackedLinear.__init__
+
+    def watched(self, linear, rows_hint=9):
+        alive.append(sum(ref() is not None for ref in dense))
+        dense.append(weakref.ref(linear))
+        pack(self, linear, rows_hint)
+
+    monkeypatch.setattr(packed.PackedLinear, "__init__", watched)
+    assert packed.pack_linears(model) == 5
+    assert alive == [0] * 5 and all(ref() is None for ref in dense)
+
+
 def test_pack_linears_refuses_a_bfloat16_model():
     with pytest.raises(ValueError, match="float32"):
         packed.pack_linears(tiny_llama(1).to(torch.bfloat16))

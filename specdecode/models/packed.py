@@ -66,13 +66,15 @@ def pack_linears(model: torch.nn.Module, rows_hint: int = 9) -> int:
     first = next(model.parameters())
     if first.device.type != "cpu" or first.dtype != torch.float32:
         raise ValueError(f"packed linears are float32 CPU layers; the model is {first.dtype} on {first.device}")
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32:
-                setattr(parent, name, PackedLinear(child, rows_hint))
-                replaced += 1
-    return replaced
+    def dense(module) -> bool:
+        return type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
+
+    # names, not modules: holding every Linear until the end would keep all dense weights beside
+    # their packed copies (twice the model at the peak)
+    layers = [(parent, name) for parent in model.modules() for name, child in parent.named_children() if dense(child)]
+    for parent, name in layers:
+        setattr(parent, name, PackedLinear(getattr(parent, name), rows_hint))
+    return len(layers)
 
 
 class WideUpcastLinear(torch.nn.Module):
