@@ -75,6 +75,26 @@ def test_without_amx_llama_cpps_faster_step_wins_with_a_draft():
     assert choice.gamma >= 2 and choice.speedup > 1.25
 
 
+def test_avx2_class_with_llama_cpp_takes_its_bf16_target_with_the_int4_draft():
+    # the default pair where llama.cpp is built AVX2-only and torch runs at AVX2 (emulated on the
+    # AMX Xeon, 2 cores; docs/llamacpp.md): steps, r(9) and prompt reads as dtype="auto" measured
+    # them. llama.cpp's BF16 step is the fastest and its verify the cheapest; bfloat16 on torch
+    # costs r(9) = 4-4.6 there (no native bfloat16), float32 with packed weights a slower step
+    table = {"bfloat16": TargetCost(0.298, {9: 3.99}, 0.1232), "bfloat16-gemv": TargetCost(0.258, {9: 4.62}, 0.1232),
+             "llama.cpp-bf16": TargetCost(0.232, {9: 1.76}, 0.0334),
+             "float32-packed": TargetCost(0.369, {9: 1.82}, 0.0372)}
+    drafts = {("int4", "bfloat16"): DraftCost(0.035, 0.0144), ("int4", "bfloat16-gemv"): DraftCost(0.035, 0.0144),
+              ("int4", "float32"): DraftCost(0.464, 0.0268), ("int8", "bfloat16"): DraftCost(0.062, 0.0428),
+              ("int8", "float32"): DraftCost(0.285, 0.0108), ("none", "bfloat16"): DraftCost(0.088, 0.0378),
+              ("gguf", "llama.cpp"): DraftCost(0.043, 0.0158)}
+    choice = choose(table, drafts)
+    assert (choice.target_kernel, choice.draft_kernel) == ("llama.cpp-bf16", "int4")
+    assert 3 <= choice.gamma <= 8 and choice.speedup > 1.3
+    # without llama.cpp, torch's float32 with packed weights: bfloat16's wide calls cost too much
+    torch_only = {k: v for k, v in table.items() if not k.startswith("llama.cpp")}
+    assert choose(torch_only, drafts).target_kernel == "float32-packed"
+
+
 def test_speculation_must_beat_plain_decoding_by_the_margin(monkeypatch):
     # the llama.cpp Q4_K_M target here: a k-token call costs 1.5-3.3 steps. With the int4 draft
     # (a third of a step) Eq. 1 rated it 1.07x plain at α = 0.85, and it ran 0.96x: plain decoding
