@@ -29,11 +29,6 @@ def cache(module_cache):
     return module_cache
 
 
-@pytest.fixture(scope="module")
-def gguf(tmp_path_factory):
-    return {name: str(path) for name, path in llamacpp_backend.build_tiny(tmp_path_factory.mktemp("gguf")).items()}
-
-
 @pytest.fixture
 def corrupt(tmp_path):
     path = tmp_path / "corrupt.gguf"

@@ -5,16 +5,11 @@ candidates beside torch's. Tiny random Qwen2-architecture GGUFs (benchmarks/llam
 builder); the backend itself is tested in test_llamacpp.py."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("llama_cpp", reason="the llama.cpp backend needs llama-cpp-python==0.3.36")
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import llamacpp_backend  # noqa: E402
 
 import specdecode.tune as tune  # noqa: E402
 from specdecode import SamplingParams, SpeculativeDecoder  # noqa: E402
@@ -33,11 +28,6 @@ PROMPTS = [[5, 17, 33, 2, 71, 40, 8], [300, 12, 9], [44, 260, 261, 262, 11, 90, 
 def cache(module_cache):
     """A cache folder of this module's own (converted files, tokenizers, choices)."""
     return module_cache
-
-
-@pytest.fixture(scope="module")
-def gguf(tmp_path_factory):
-    return {name: str(path) for name, path in llamacpp_backend.build_tiny(tmp_path_factory.mktemp("gguf")).items()}
 
 
 def _chosen(choice: Choice, target, draft, **options) -> None:
