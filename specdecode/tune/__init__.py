@@ -73,7 +73,7 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None) -
             or not isinstance(target, str):
         return static
     targets, kinds = candidates_of(config, quantization)
-    key = choice_key(config)
+    key = _key(config, targets + kinds)
     choice = cache.load_choice(key)
     if choice is None:
         with CpuWatch() as watch:
@@ -149,10 +149,14 @@ def candidates_of(config: DecoderConfig, quantization: str) -> tuple[tuple[str, 
 
 def choice_key(config: DecoderConfig) -> str:
     """The choice cache's key for this config on this machine (specdecode.tune.cache)."""
-    target, draft = model_names(config)
     targets, kinds = candidates_of(config, _quantization(config))
+    return _key(config, targets + kinds)
+
+
+def _key(config: DecoderConfig, candidates: tuple[str, ...]) -> str:
+    target, draft = model_names(config)
     return cache.cache_key(str(target), None if draft is None else str(draft), config.num_speculative_tokens,
-                           targets + kinds)
+                           candidates)
 
 
 def _loaders(config: DecoderConfig, target: str, draft, progress=None) -> Loaders:

@@ -80,8 +80,6 @@ def _parameter_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-
-
 def _release() -> None:
     """Free what the last candidate held, so that the next one's peak is its own: its reference
     cycles (transformers models hold some), then glibc's freed pages back to the system
