@@ -288,14 +288,14 @@ def prompts_for(tokenizer, code: int, questions: int, max_tokens: int) -> list[t
 def resolve(spec: str, bf16: bool, progress) -> Path:
     """A zoo name or a GGUF path → the GGUF file (converted to BF16 first when asked)."""
     from specdecode.models import zoo
-    from specdecode.models.llamacpp import bf16_gguf
+    from specdecode.models.llamacpp import converted_gguf
 
     if spec in zoo.ZOO:
         info = zoo.ZOO[spec]
         path = zoo.packaged_gguf(info) if info.package_file else zoo.assemble_gguf(info, progress)
     else:
         path = Path(spec)
-    return bf16_gguf(path, progress) if bf16 else path
+    return converted_gguf(path, "bf16", progress) if bf16 else path
 
 
 def markdown(report: dict) -> str:

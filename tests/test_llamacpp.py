@@ -23,7 +23,7 @@ from specdecode.engine.engine import Engine  # noqa: E402
 from specdecode.engine.request import DecodeConfig, Request  # noqa: E402
 from specdecode.models import HFCausalLM  # noqa: E402
 from specdecode.models import llamacpp  # noqa: E402
-from specdecode.models.llamacpp import LlamaCppLM, bf16_gguf, load_gguf, quantize_gguf  # noqa: E402
+from specdecode.models.llamacpp import LlamaCppLM, converted_gguf, load_gguf, quantize_gguf  # noqa: E402
 from specdecode.proposers import DraftModelProposer  # noqa: E402
 from specdecode.sampling import SamplingParams, adjust  # noqa: E402
 
@@ -38,7 +38,7 @@ def cache(module_cache):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, cache):
-    """{"target", "draft"} F32 GGUFs, the target as "q8_0" and "bf16" (through bf16_gguf), and the
+    """{"target", "draft"} F32 GGUFs, the target as "q8_0" and "bf16" (through converted_gguf), and the
     transformers float32 models of the F32 files."""
     from transformers import AutoModelForCausalLM
 
@@ -46,7 +46,7 @@ def files(tmp_path_factory, cache):
     paths = dict(llamacpp_backend.build_tiny(root))
     paths["q8_0"] = root / "tiny-target-q8_0.gguf"
     quantize_gguf(paths["target"], paths["q8_0"], "q8_0")
-    paths["bf16"] = bf16_gguf(paths["target"])
+    paths["bf16"] = converted_gguf(paths["target"], "bf16")
     hf = {name: AutoModelForCausalLM.from_pretrained(str(root), gguf_file=paths[name].name,
                                                     dtype=torch.float32).eval() for name in ("target", "draft")}
     return paths, hf
@@ -446,10 +446,10 @@ def test_load_gguf_gives_a_tokenizer_that_agrees_with_llama_cpp_and_caches_it(fi
 def test_bf16_gguf_converts_once_through_a_temporary_file_and_reuses_it(files, tmp_path, monkeypatch):
     paths, _ = files
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
-    first = bf16_gguf(paths["q8_0"])
+    first = converted_gguf(paths["q8_0"], "bf16")
     assert first.parent == tmp_path / "gguf" and not list(first.parent.glob("*.partial"))
     monkeypatch.setattr(llamacpp, "quantize_gguf", lambda *a: pytest.fail("converted twice"))
-    assert bf16_gguf(paths["q8_0"]) == first
+    assert converted_gguf(paths["q8_0"], "bf16") == first
     assert LlamaCppLM(first, n_threads=1).metadata("general.file_type") == "32"  # MOSTLY_BF16
 
 
@@ -466,7 +466,7 @@ def test_bf16_gguf_holds_the_same_bfloat16_weights_transformers_dequantizes_a_q4
     f32, q4 = tmp_path / "wide-f32.gguf", tmp_path / "wide-q4_k_m.gguf"
     llamacpp_backend.write_gguf(llamacpp_backend.tiny_qwen2(3, len(tokens), layers=1, hidden=256), tokens, merges, f32)
     quantize_gguf(f32, q4, "q4_k_m")
-    converted = gguf.GGUFReader(bf16_gguf(q4))
+    converted = gguf.GGUFReader(converted_gguf(q4, "bf16"))
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=q4.name, dtype=torch.bfloat16)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 1)
     ours = {names.get_name(n, try_suffixes=(".weight", ".bias")): w for n, w in model.state_dict().items()}

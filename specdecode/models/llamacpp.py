@@ -618,11 +618,6 @@ def load_gguf(path, **options) -> tuple[LlamaCppLM, object]:
     return backend, tokenizer
 
 
-def bf16_gguf(source_path, progress: Callable[[str], None] | None = None) -> Path:
-    """converted_gguf(source_path, "bf16"): the same bfloat16 weights torch dequantizes to."""
-    return converted_gguf(source_path, "bf16", progress)
-
-
 def converted_gguf(source_path, kind: str, progress: Callable[[str], None] | None = None) -> Path:
     """The GGUF file with source_path's weights stored as `kind` ("bf16", "f32", ... : FTYPES),
     converted once by llama.cpp's own quantize tool (llama_model_quantize, requantizing allowed: a
@@ -633,7 +628,7 @@ def converted_gguf(source_path, kind: str, progress: Callable[[str], None] | Non
 
     Raises:
         ImportError: llama-cpp-python missing.  FileNotFoundError: no source file.
-        ValueError: unknown kind.  RuntimeError: llama.cpp failed to convert it.
+        ValueError: unknown kind, or llama.cpp failed to convert it (a damaged file, no room on disk).
     """
     if kind not in FTYPES:
         raise ValueError(f"unknown GGUF weight type {kind!r}; use one of {', '.join(FTYPES)}")
