@@ -106,8 +106,9 @@ class DecoderConfig:
             or more such requests, on steps where a plain step serves the batch better (engine.
             guard, engine.cost; both use costs the loop measures as it runs). Seeded sampled
             requests are never paused (a seed's output must not depend on the batch). Default True.
-        guard_costs: the starting (c, slope) for the guard: c = a draft step over a target step,
-            slope = (r(γ+1) - 1) / γ; None (default) times a few forwards at load.
+        guard_costs: the starting (c, slope) or (c, slope, base) for the guard: c = a draft step
+            over a target step, and a call verifying k drafts costs 1 + base + slope·k target
+            steps (base 0 if not given); None (default) times a few forwards at load.
     Numerics and placement:
         dtype: "auto" (default): on the CPU, the measured choice among this machine's candidates
             (torch bfloat16 two ways, float32 with packed weights, and with llama-cpp-python a
@@ -143,7 +144,7 @@ class DecoderConfig:
     draft_vocab_limit: int | Literal["auto"] | None = "auto"
     quantize_draft: Quantization = "auto"
     guard: bool = True
-    guard_costs: tuple[float, float] | None = None
+    guard_costs: tuple[float, ...] | None = None
     dtype: DType = "auto"
     backend: Backend = "auto"
     device: str | None = None
@@ -219,9 +220,10 @@ class DecoderConfig:
             raise ValueError(f"draft_vocab_limit must be a positive integer, 'auto' or None, "
                              f"got {self.draft_vocab_limit!r}")
         if self.guard_costs is not None and (
-                not isinstance(self.guard_costs, (tuple, list)) or len(self.guard_costs) != 2
+                not isinstance(self.guard_costs, (tuple, list)) or len(self.guard_costs) not in (2, 3)
                 or not all(_is_number(x) and x >= 0 for x in self.guard_costs)):
-            raise ValueError(f"guard_costs must be two numbers >= 0 (c, slope), got {self.guard_costs!r}")
+            raise ValueError(f"guard_costs must be two or three numbers >= 0 (c, slope[, base]), "
+                             f"got {self.guard_costs!r}")
         if self.max_batch_size is not None and (not _is_int(self.max_batch_size) or self.max_batch_size < 1):
             raise ValueError(f"max_batch_size must be None or an integer >= 1, got {self.max_batch_size!r}")
         for name in ("guard", "use_generation_config"):

@@ -11,6 +11,7 @@ from specdecode.engine.request import DecodeConfig
 from specdecode.engine.guard import SpeculationGuard
 from specdecode.models import TableModel
 from specdecode.proposers import DraftModelProposer
+from specdecode.proposers.base import FreeDraftProposer
 
 from helpers import chi2_pvalue, loop_sequence_counts
 
@@ -63,10 +64,11 @@ def test_speculation_resumes_when_it_starts_to_pay():
     assert all(later[-20:])
 
 
-@pytest.mark.parametrize("kwargs", [dict(cost_coefficient=-1), dict(verify_slope=-1), dict(probe_every=0),
+@pytest.mark.parametrize("kwargs", [dict(cost_coefficient=-1), dict(verify_slope=-1), dict(verify_base=-1),
+                                    dict(probe_every=0),
                                     dict(decay=1.0), dict(warmup=0)])
 def test_bad_settings_raise(kwargs):
-    with pytest.raises(ValueError, match=r"need cost_coefficient, verify_slope >= 0, probe_every >= 1, "
+    with pytest.raises(ValueError, match=r"need cost_coefficient, verify_slope, verify_base >= 0, probe_every >= 1, "
                                          r"decay in \[0, 1\), warmup >= 1"):
         SpeculationGuard(**{"cost_coefficient": 0.1, **kwargs})
 
@@ -127,12 +129,12 @@ def test_free_drafts_alone_are_guarded_with_no_draft_cost(model_dirs):
     from specdecode import SpeculativeDecoder
 
     decoder = SpeculativeDecoder(model_dirs["target"], None, free_drafts="suffix", dtype="float32")
-    c, slope = decoder.guard_costs
-    assert c == 0.0 and slope >= 0.0  # a free draft costs no forward; its verify does cost
+    c, slope, base = decoder.guard_costs
+    assert c == 0.0 and slope >= 0.0 and base >= 0.0  # a free draft costs no forward; its verify does cost
     assert SpeculativeDecoder(model_dirs["target"], None, free_drafts="suffix", guard=False).guard_costs is None
     assert SpeculativeDecoder(model_dirs["target"], None).guard_costs is None  # plain decoding: nothing to guard
-    # a verify priced at two steps per drafted token never pays: the free drafts get paused, and
-    # the greedy output is the same either way
+    # a verify priced at two steps per drafted token never pays: every free draft is declined,
+    # and the greedy output is the same either way
     greedy = SamplingParams(temperature=0, ignore_eos=True)
     prompt = "abcdabcebcadbcea" * 3
     priced = SpeculativeDecoder(model_dirs["target"], None, free_drafts="suffix", dtype="float32",
@@ -140,4 +142,67 @@ def test_free_drafts_alone_are_guarded_with_no_draft_cost(model_dirs):
     free = SpeculativeDecoder(model_dirs["target"], None, free_drafts="suffix", dtype="float32", guard=False)
     paused, unguarded = (d.generate(prompt, max_new_tokens=64, sampling=greedy, chat=False) for d in (priced, free))
     assert paused.token_ids == unguarded.token_ids
-    assert unguarded.stats.num_drafted > paused.stats.num_drafted and paused.stats.num_guard_pauses >= 1
+    assert unguarded.stats.num_drafted > 0 and paused.stats.num_drafted == 0
+    assert paused.stats.num_free_declined > 0 and unguarded.stats.num_free_declined == 0
+
+
+# --- free drafts: each priced on its own (Eq. 1 against the verify cost) ------------------------------
+
+def test_a_free_draft_is_verified_as_far_as_eq_1_says_it_pays():
+    guard = SpeculationGuard(0.0, verify_slope=0.25)
+    # prior α = 8/9.5 for an 8-token match: E_j / (1 + j/4) peaks at j = 4 (1.79 tokens per unit cost)
+    assert guard.keep(8, 8) == 4
+    for _ in range(5):
+        guard.record_free(8, accepted=8, verified=8)
+    assert guard.keep(8, 8) == 8  # α ≈ 0.97 now: the whole draft
+    for _ in range(3):
+        guard.record_free(2, accepted=0, verified=1)
+    # α = (0 + 2/3.5·2) / (3 + 2) = 0.23 for 2-token matches: 1.23 tokens for 1.25 is less than a
+    # plain step gives; the 8-token matches keep their own record
+    assert guard.keep(2, 4) == 0 and guard.keep(8, 8) == 8
+    assert SpeculationGuard(0.0, verify_slope=2.0).keep(8, 8) == 0  # a verify this dear never pays
+    assert SpeculationGuard(0.0, verify_slope=0.0).keep(2, 4) == 4  # a free verify always does
+    # a fixed cost for any verify (r(2) = 1.4 on a Q4_K_M llama.cpp target) declines what the
+    # slope alone would take: α = 0.34 gives 1.34 tokens for 1.22 without it, for 1.4 with it
+    guard, based = SpeculationGuard(0.0, 0.22), SpeculationGuard(0.0, 0.22, verify_base=0.18)
+    for g in (guard, based):
+        g.record_free(2, accepted=4, verified=13)
+    assert guard.keep(2, 4) == 1 and based.keep(2, 4) == 0
+
+
+def test_free_draft_steps_do_not_pause_the_draft_model():
+    guard = SpeculationGuard(0.3, verify_slope=0.25, warmup=1)
+    for _ in range(10):
+        guard.record_free(2, accepted=0, verified=1)
+    assert guard.speculate() and guard.num_pauses == 0
+
+
+class ScriptedFreeDrafts(FreeDraftProposer):
+    """Free drafts of known quality: at even lengths the true continuation `truth` (an 8-token
+    match), at odd ones a wrong token repeated (a 2-token match)."""
+
+    def __init__(self, vocab_size, truth):
+        super().__init__(vocab_size)
+        self.truth = truth
+
+    def find(self, b, row, k):
+        n = len(row.tokens)
+        if n % 2 == 0:
+            return self.truth[n:n + k], 8
+        return [(self.truth[n] + 1) % self.vocab_size] * k, 2
+
+
+def test_weak_free_drafts_are_declined_and_strong_ones_kept_with_the_greedy_output_unchanged():
+    target = TableModel(8, seed=3)
+    greedy = SamplingParams(temperature=0)
+    plain = run(target, None, [1, 2], DecodeConfig(max_new_tokens=60, sampling=greedy))
+    truth = [1, 2] + plain.token_ids + [0] * 8
+    config = DecodeConfig(max_new_tokens=60, sampling=greedy, num_speculative_tokens=4, costs=(0.0, 0.25))
+    priced = run(target, ScriptedFreeDrafts(8, truth), [1, 2], config)
+    unpriced = run(target, ScriptedFreeDrafts(8, truth), [1, 2], DecodeConfig(
+        max_new_tokens=60, sampling=greedy, num_speculative_tokens=4))
+    assert priced.token_ids == unpriced.token_ids == plain.token_ids
+    assert priced.stats.num_free_declined >= 3 and unpriced.stats.num_free_declined == 0
+    # the weak drafts stop being verified after a few misses; the strong ones never do
+    assert priced.stats.num_rejected <= 4 < unpriced.stats.num_rejected
+    assert priced.stats.num_accepted >= 0.8 * unpriced.stats.num_accepted

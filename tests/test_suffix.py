@@ -101,36 +101,47 @@ class WrongQ(SuffixProposer):
                 for d in drafts]
 
 
-def suffix_pvalues(proposer_class, batches):
+def suffix_pvalues(proposer_class, batches, costs=None):
     """Three prompts per batch through one engine per batch; the same proposer throughout, so later
-    batches draft from earlier ones' outputs (share_seeded: seeded rows read the cache too)."""
+    batches draft from earlier ones' outputs (share_seeded: seeded rows read the cache too).
+    costs: the guard's (c, slope): each row's free drafts are then priced (engine.guard)."""
     vocab, length = 4, 3
     target = TableModel(vocab, order=2, seed=20, sharpness=1.5)
     draft = TableModel(vocab, order=2, seed=21, sharpness=1.5)
     prompts = [[1, 2, 1, 2], [3, 0, 3], [0, 2, 1, 3, 0, 2]]
     proposer = FallbackProposer(proposer_class(vocab, levels=(1, 2), share_seeded=True), DraftModelProposer(draft))
-    counts, lookups = [Counter() for _ in prompts], 0
+    counts, lookups, declined = [Counter() for _ in prompts], 0, 0
     for run_index in range(batches):
-        configs = [DecodeConfig(length, SamplingParams(seed=3 * run_index + i), num_speculative_tokens=3)
+        configs = [DecodeConfig(length, SamplingParams(seed=3 * run_index + i), num_speculative_tokens=3, costs=costs)
                    for i in range(len(prompts))]
         for i, result in enumerate(run_all(target, proposer, [Request(p, c) for p, c in zip(prompts, configs)])):
             counts[i][tuple(result.token_ids)] += 1
             lookups += result.stats.num_lookup_steps
-    return sequence_pvalues(target, prompts, counts, length), lookups
+            declined += result.stats.num_free_declined
+    return sequence_pvalues(target, prompts, counts, length), lookups, declined
 
 
 @pytest.mark.slow
 def test_suffix_drafts_with_the_cache_match_the_target_distribution_chi_square():
     # 1000 batches of 3 rows (vocab 4, 3 tokens: 64 sequences per prompt), seeds 0..2999;
     # each prompt's test fails at significance 1e-3.
-    pvalues, lookups = suffix_pvalues(SuffixProposer, 1000)
+    pvalues, lookups, _ = suffix_pvalues(SuffixProposer, 1000)
     assert min(pvalues) > 1e-3 and lookups > 1000
+
+
+@pytest.mark.slow
+def test_priced_suffix_drafts_match_the_target_distribution_chi_square():
+    # the same, with the guard pricing each free draft by the row's record (slope 0.4: a 1-token
+    # match's draft is declined, a 2-token one's cut to 1 token, then declined after a rejection
+    # or widened after an acceptance); the power check below is the same size
+    pvalues, lookups, declined = suffix_pvalues(SuffixProposer, 1000, costs=(0.3, 0.4))
+    assert min(pvalues) > 1e-3 and lookups > 500 and declined > 100
 
 
 @pytest.mark.slow
 def test_chi_square_detects_a_suffix_proposer_whose_q_is_not_what_it_proposed():
     # 300 batches: the exact test's bar (every prompt above 1e-3) fails by far (p < 1e-30 seen)
-    pvalues, _ = suffix_pvalues(WrongQ, 300)
+    pvalues, _, _ = suffix_pvalues(WrongQ, 300)
     assert min(pvalues) < 1e-6
 
 

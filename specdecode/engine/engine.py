@@ -115,6 +115,7 @@ class _Row:
         self.stats.wall_time_s = self.clock() - self.start
         if self.policy.guard is not None:
             self.stats.num_guard_pauses = self.policy.guard.num_pauses
+        self.stats.num_free_declined = self.policy.num_free_declined
         # logprobs and offsets cover exactly the returned text, by the rule the wire formats use
         returned = self.out.num_returned_tokens
         logprobs = self.out.logprobs[:returned] if self.out.logprobs is not None else None
@@ -371,6 +372,7 @@ class Engine:
             drafts, reads = [no_draft(self.target.vocab_size, self.device)] * len(rows), (0.0, 0)
         if any(row.pipeline is not None and row.pipeline.grammar is not None for row in rows):
             drafts = [_cut_to_grammar(row, draft) for row, draft in zip(rows, drafts)]
+        drafts = [row.policy.price(draft) for row, draft in zip(rows, drafts)]
         synchronize(self.device)
         return drafts, StepTimes(draft_s=self.clock() - start, read_s=reads[0], read_tokens=reads[1])
 
@@ -487,7 +489,7 @@ class Engine:
         stats.num_lookup_steps += int(draft.lookup)
         stats.record_step(k, n, len(output.events))
         stats.num_generated = len(row.out.token_ids)
-        row.policy.record(planned, k, n, draft.forwards)
+        row.policy.record(planned, k, n, draft)
         output.num_drafted, output.num_accepted = stats.num_drafted - drafted, stats.num_accepted - kept
         output.stats = stats.snapshot()
 

@@ -27,8 +27,8 @@ class DecodeConfig:
     eos_token_ids: tokens that end the output (included in token_ids, not in the text).
     stop: strings that end the output (excluded from the text, also when they span tokens).
     lenience: 1 is exact; l < 1 is the lossy rule of paper A.5 (stats.lossy).
-    costs: (c, verify slope) in target calls for the guard (engine.guard, Cor. 3.9): pause
-        drafting while it does not pay; None speculates on every step.
+    costs: (c, verify slope[, verify base]) in target calls for the guard (engine.guard, Cor.
+        3.9): pause drafting and price free drafts by what they pay; None speculates on every step.
     gamma_schedule: "fixed" drafts up to γ_max every step; "adaptive" starts at min(4, γ_max),
         adds 2 after a block whose planned drafts were all accepted and drops 1 otherwise
         (within [1, γ_max]). Any rule that looks only at the past is exact (§2.3 holds step by step).
@@ -53,7 +53,7 @@ class DecodeConfig:
     eos_token_ids: frozenset[int] = frozenset()
     stop: tuple[str, ...] = ()
     lenience: float = 1.0
-    costs: tuple[float, float] | None = None
+    costs: tuple[float, ...] | None = None
     gamma_schedule: str = "fixed"
     logprobs: int | None = None
     prompt_logprobs: int | None = None

@@ -23,6 +23,7 @@ class GenerationStats:
     lossy: bool = False
     num_lookup_steps: int = 0    # steps whose drafts were copied by prompt lookup
     num_guard_pauses: int = 0    # times the guard paused drafting (engine.guard)
+    num_free_declined: int = 0   # free drafts the guard priced out of a step (engine.guard)
     num_batch_caps: int = 0      # steps whose γ the batch's cost lowered (engine.cost)
     num_tree_branch_wins: int = 0  # token-tree steps whose accepted path left the draft's chain
 
@@ -97,6 +98,7 @@ class GenerationStats:
             "wall_time_s": self.wall_time_s, "time_draft_s": self.time_draft_s,
             "time_target_s": self.time_target_s, "tokens_per_second": self.tokens_per_second,
             "lossy": self.lossy, "num_lookup_steps": self.num_lookup_steps,
-            "num_guard_pauses": self.num_guard_pauses, "num_batch_caps": self.num_batch_caps,
+            "num_guard_pauses": self.num_guard_pauses, "num_free_declined": self.num_free_declined,
+            "num_batch_caps": self.num_batch_caps,
             "num_tree_branch_wins": self.num_tree_branch_wins,
         }

@@ -92,7 +92,7 @@ class RequestBuilder:
         decoder: the decoder's DecoderConfig (gamma_schedule and verification of every request;
             its check_lenience rule).
         num_speculative_tokens: γ_max of every request (the tuned one; a server body may lower it).
-        guard_costs: (c, slope) for requests the guard may pause, or None.
+        guard_costs: (c, slope[, base]) for requests the guard may pause, or None.
         defaults: generation_defaults() of the target ({} to ignore its generation_config).
         is_encoder_decoder: the prompt is the encoder's input (paper §4.1).
 
@@ -102,7 +102,7 @@ class RequestBuilder:
     """
 
     def __init__(self, tokenizer, target, eos_token_ids: frozenset[int], *, decoder: DecoderConfig,
-                 num_speculative_tokens: int, guard_costs: tuple[float, float] | None = None,
+                 num_speculative_tokens: int, guard_costs: tuple[float, ...] | None = None,
                  defaults: dict | None = None, is_encoder_decoder: bool = False):
         self.tokenizer, self.target, self.eos_token_ids = tokenizer, target, eos_token_ids
         self.decoder, self.num_speculative_tokens, self.guard_costs = decoder, num_speculative_tokens, guard_costs

@@ -82,7 +82,7 @@ def lookup_q(sequence: list[int], start: int, vocab_size: int, max_ngram: int = 
     where no earlier n-gram matches (no proposal)."""
     q = torch.zeros(len(sequence) - start, vocab_size)
     for row, i in enumerate(range(start, len(sequence))):
-        found = lookup(sequence[:i], 1, max_ngram, min_ngram)
+        found, _ = lookup(sequence[:i], 1, max_ngram, min_ngram)
         if found:
             q[row, found[0]] = 1.0
     return q

@@ -18,7 +18,7 @@ from specdecode.sampling import SamplingParams
 
 def batch_throughput(target_backend, draft_backend, prompt_ids: list[list[int]], batch_sizes: list[int],
                      new_tokens: int, gamma: int, sampling: SamplingParams,
-                     draft_confidence: float = 0.0, make_proposer=None, guard_costs: tuple[float, float] | None = None,
+                     draft_confidence: float = 0.0, make_proposer=None, guard_costs: tuple[float, ...] | None = None,
                      batch_guard: bool = False) -> list[dict]:
     """Time plain and speculative batched decoding at each batch size (paper §3.3's assumption).
 

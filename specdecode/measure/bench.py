@@ -86,7 +86,7 @@ def _hf_runner(model, new_tokens: int, sampling: SamplingParams, pad_id: int, eo
 
 
 def _our_runner(target, make_proposer: Callable, gamma: int, new_tokens: int, sampling: SamplingParams,
-                guard_costs: tuple[float, float] | None = None, lenience: float = 1.0, gamma_schedule: str = "fixed",
+                guard_costs: tuple[float, ...] | None = None, lenience: float = 1.0, gamma_schedule: str = "fixed",
                 verification: str = "token"):
     def go(ids: list[int], seed: int):
         params = dataclasses.replace(sampling, seed=seed)

@@ -23,6 +23,7 @@ class Draft:
     probs: torch.Tensor    # [k', V] float32, the q each token was sampled from; one-hot if deterministic
     forwards: int = 0      # draft-model forwards this row took part in
     lookup: bool = False   # copied by prompt lookup
+    support: int = 0       # a copied draft's evidence: the length of the match it continues
     # A token tree instead of a chain: parents[i] is node i's parent (-1: the committed prefix),
     # siblings in the order drawn (verify.tree_step). None: tokens form one chain.
     parents: tuple[int, ...] | None = None
@@ -104,7 +105,8 @@ class FreeDraftProposer:
         self.device = torch.device(device if device is not None else "cpu")
         self.time_s = 0.0
 
-    def find(self, b: int, row: DraftRow, k: int) -> list[int]:
+    def find(self, b: int, row: DraftRow, k: int) -> tuple[list[int], int]:
+        """(up to k draft ids for row b, the length of the match they continue); ([], 0): none."""
         raise NotImplementedError
 
     def add_row(self, prompt_ids: Sequence[int], encoder_input_ids: Sequence[int] | None = None) -> None:
@@ -117,10 +119,11 @@ class FreeDraftProposer:
         start = time.perf_counter()
         drafts = []
         for b, (row, k) in enumerate(zip(rows, ks)):
-            ids = self.find(b, row, k) if k > 0 else []
+            ids, support = self.find(b, row, k) if k > 0 else ([], 0)
             if ids:
                 tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
-                drafts.append(Draft(tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float(), lookup=True))
+                drafts.append(Draft(tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float(), lookup=True,
+                                    support=support))
             else:
                 drafts.append(no_draft(self.vocab_size, self.device))
         self.time_s += time.perf_counter() - start

@@ -7,15 +7,16 @@ from __future__ import annotations
 from specdecode.proposers.base import DraftRow, FreeDraftProposer
 
 
-def lookup(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int = 2) -> list[int]:
-    """Up to k tokens that followed the latest earlier match of the longest matching suffix of
-    `tokens` (n-grams of max_ngram down to min_ngram tokens); [] when nothing matches."""
+def lookup(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int = 2) -> tuple[list[int], int]:
+    """(up to k tokens that followed the latest earlier match of the longest matching suffix of
+    `tokens`, that suffix's length n), for n from max_ngram down to min_ngram; ([], 0) when
+    nothing matches."""
     for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
         pattern = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start:start + n] == pattern:
-                return tokens[start + n:start + n + k]
-    return []
+                return tokens[start + n:start + n + k], n
+    return [], 0
 
 
 class PromptLookupProposer(FreeDraftProposer):
@@ -39,5 +40,5 @@ class PromptLookupProposer(FreeDraftProposer):
         super().__init__(vocab_size, device)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def find(self, b: int, row: DraftRow, k: int) -> list[int]:
+    def find(self, b: int, row: DraftRow, k: int) -> tuple[list[int], int]:
         return lookup(row.tokens, k, self.max_ngram, self.min_ngram)

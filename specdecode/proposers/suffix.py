@@ -140,8 +140,9 @@ class SuffixProposer(FreeDraftProposer):
         for (_, own), new in zip(self._rows, new_tokens):
             own.append(0, new)
 
-    def find(self, b: int, row: DraftRow, k: int) -> list[int]:
-        """The most frequent continuation of the longest level that matches the row's last tokens."""
+    def find(self, b: int, row: DraftRow, k: int) -> tuple[list[int], int]:
+        """(the most frequent continuation of the longest level n that matches the row's last
+        tokens, n)."""
         tokens, own = row.tokens, self._rows[b][1]
         # seeded sampling: its own tokens only (unless share_seeded)
         shared = row.sampling.greedy or row.sampling.seed is None or self.share_seeded
@@ -157,8 +158,8 @@ class SuffixProposer(FreeDraftProposer):
                 found = cached + found  # ties go to the latest: the row's own
             if found:
                 return continue_by_frequency([(seq, end) for _, seq, end in found],
-                                             min(k, int(self.max_spec_factor * n)), self.min_prob)
-        return []
+                                             min(k, int(self.max_spec_factor * n)), self.min_prob), n
+        return [], 0
 
     # --- internals -------------------------------------------------------------------------------
 

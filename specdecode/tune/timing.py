@@ -82,13 +82,19 @@ def measure_costs(target, draft, context: list[int], sizes: list[int] = (1,), re
     return costs
 
 
-def guard_costs(target, draft, gamma: int, encoder_decoder: bool = False) -> tuple[float, float]:
-    """(c, slope) for the guard (engine.guard, Cor. 3.9): c = a draft step's time over a target
-    step's (0 without a draft model: free drafts cost no forward), slope = (r(γ+1) − 1) / γ, each
-    verified draft's extra cost in target steps; timed at a 64-token context (an encoder–decoder
-    pair's decoders attend to an encoded input of it)."""
+def guard_costs(target, draft, gamma: int, encoder_decoder: bool = False) -> tuple[float, float, float]:
+    """(c, slope, base) for the guard (engine.guard, Cor. 3.9): c = a draft step's time over a
+    target step's (0 without a draft model: free drafts cost no forward), and a call verifying
+    k >= 1 drafts priced 1 + base + slope·k target steps, the line through r(2) and r(γ+1) (base
+    >= 0: where r is concave the line from r(1) to r(γ+1) instead); timed at a 64-token context
+    (an encoder–decoder pair's decoders attend to an encoded input of it)."""
     vocab = target.vocab_size if draft is None else min(target.vocab_size, draft.vocab_size)
     context = [i % vocab for i in range(100, 164)]
-    costs = measure_costs(target, draft, context, [gamma + 1], repeats=3,
+    costs = measure_costs(target, draft, context, [2, gamma + 1], repeats=3,
                           encoder_input_ids=context if encoder_decoder else None)
-    return costs.get("c", 0.0), max(costs["r"][gamma + 1] - 1, 0.0) / gamma
+    r2, r_last = costs["r"][2], costs["r"][gamma + 1]
+    slope = max(r_last - r2, 0.0) / (gamma - 1) if gamma > 1 else 0.0
+    base = r2 - 1 - slope
+    if base < 0:
+        slope, base = max(r_last - 1, 0.0) / gamma, 0.0
+    return costs.get("c", 0.0), slope, base
