@@ -41,6 +41,8 @@ from llamacpp_backend import RawLlama  # noqa: E402
 from specdecode import SamplingParams, SpeculativeDecoder  # noqa: E402
 from specdecode.measure.data import humaneval_prompts, load_prompts  # noqa: E402
 from specdecode.models import llamacpp, zoo  # noqa: E402
+from specdecode.proposers.fallback import find_proposer  # noqa: E402
+from specdecode.proposers.suffix import SuffixProposer  # noqa: E402
 from specdecode.tune.hardware import cpu_report, describe  # noqa: E402
 
 SYSTEMS = ("llama.cpp BF16 plain", "llama.cpp Q4_K_M plain", "transformers", "specdecode auto", "specdecode torch",
@@ -63,8 +65,12 @@ def workloads(count: int, tokenizer) -> dict[str, list[list[int]]]:
             "spec_bench": [list(chat(t)) for t in spec_bench], "edits": [list(chat(t)) for t in edits]}
 
 
-def ours(decoder, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float, object]:
-    """(tokens, seconds to the first token, seconds in all, stats) of one streamed request."""
+def ours(decoder, prompt: list[int], new_tokens: int, forget: bool = False) -> tuple[list[int], float, float, object]:
+    """(tokens, seconds to the first token, seconds in all, stats) of one streamed request;
+    forget: suffix drafts start without earlier requests' outputs."""
+    suffix = find_proposer(decoder.engine.proposer, SuffixProposer)
+    if forget and suffix is not None:
+        suffix.forget()
     sampling = SamplingParams(temperature=0, ignore_eos=True)
     start = time.perf_counter()
     stream = decoder.generate(prompt, max_new_tokens=new_tokens, sampling=sampling, stream=True)
@@ -110,6 +116,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=5, help="prompts per workload")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS))
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each system per prompt, interleaved; a prompt's figures are their medians. "
+                             "Above 1 our suffix drafts forget earlier requests before each run (a repeat would "
+                             "otherwise copy its own earlier output)")
     parser.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = parser.parse_args()
     systems = args.systems.split(",")
@@ -122,7 +132,7 @@ def main() -> None:
                           ("specdecode gguf", dict(dtype="gguf"))):
         if name in systems:
             decoders[name] = SpeculativeDecoder(progress=say, **options)
-            runners[name] = lambda p, decoder=decoders[name]: ours(decoder, p, args.new_tokens)
+            runners[name] = lambda p, decoder=decoders[name]: ours(decoder, p, args.new_tokens, args.repeats > 1)
     for name, path in (("llama.cpp BF16 plain", bf16), ("llama.cpp Q4_K_M plain", source)):
         if name in systems:
             raw = RawLlama(path, 4096, threads, repack=llamacpp.repack_works(path))
@@ -135,10 +145,15 @@ def main() -> None:
     for workload, prompts in workloads(args.prompts, tokenizer).items():
         for index, prompt in enumerate(prompts):
             say(f"{workload} {index + 1}/{len(prompts)} ({len(prompt)} prompt tokens)")
-            for name, run in runners.items():
-                tokens, first, seconds, *stats = run(prompt)
-                record = {"tokens": len(tokens), "tokens_per_s": len(tokens) / seconds, "ttft_s": first,
-                          "ids": tokens}
+            runs = {name: [] for name in runners}
+            for _ in range(args.repeats):
+                for name, run in runners.items():
+                    runs[name].append(run(prompt))
+            for name, outcomes in runs.items():
+                tokens, _, _, *stats = outcomes[0]
+                record = {"tokens": len(tokens), "ids": tokens,
+                          "tokens_per_s": statistics.median(len(t) / seconds for t, _, seconds, *_ in outcomes),
+                          "ttft_s": statistics.median(first for _, first, *_ in outcomes)}
                 if stats:
                     record.update(mean_tokens_per_call=stats[0].mean_tokens_per_call,
                                   acceptance_rate=stats[0].acceptance_rate)
@@ -147,6 +162,7 @@ def main() -> None:
               "llama_cpp": {"version": __import__("llama_cpp").__version__, "system_info": llamacpp.system_info(),
                             "repack": {"bf16": llamacpp.repack_works(bf16), "q4_k_m": llamacpp.repack_works(source)}},
               "command": " ".join(sys.argv), "new_tokens": args.new_tokens, "threads": threads,
+              "repeats": args.repeats,
               "configurations": {name: decoder.configuration() for name, decoder in decoders.items()},
               "workloads": summarize(results),
               "per_prompt": {workload: {name: [{k: v for k, v in r.items() if k != "ids"} for r in records]
@@ -198,7 +214,9 @@ def markdown(report: dict) -> str:
              f"llama-cpp-python {report['llama_cpp']['version']}; llama.cpp: {report['llama_cpp']['system_info']}; "
              f"repacked layouts used: {report['llama_cpp']['repack']}.",
              f"Command: `{report['command']}`. Greedy, {report['new_tokens']} new tokens per prompt (EOS ignored), "
-             "the same prompt ids for every system, systems in turn per prompt.", ""]
+             "the same prompt ids for every system, systems in turn per prompt"
+             + (f", {report['repeats']} runs each (a prompt's figures are their medians; our suffix drafts "
+                "forget earlier requests before each run)." if report.get("repeats", 1) > 1 else "."), ""]
     for name, configuration in report["configurations"].items():
         choice = configuration.get("choice")
         lines.append(f"- {name}: {configuration['backend']} target ({configuration['target_weights']}), draft "

@@ -137,7 +137,7 @@ class SpeculativeDecoder:
         # its share of a wider target call (a Q4_K_M target on llama.cpp: r(5) = 1.8)
         if config.guard and (self.draft is not None or self.free_drafts):
             if config.guard_costs is None and progress:
-                progress("measuring c (draft step / target step) and the verify cost r(γ+1) for the guard")
+                progress("measuring c (draft step / target step) and the verify costs r(2), r(γ+1) for the guard")
             self.guard_costs = tuple(config.guard_costs) if config.guard_costs is not None else tune.guard_costs(
                 self.target.backend, self.draft.backend if self.draft is not None else None,
                 self.num_speculative_tokens, self.is_encoder_decoder)

@@ -238,3 +238,36 @@ async def _last_item(handle):
         item = await handle.queue.get()
         if item is None or isinstance(item, Exception):
             return item
+
+
+def test_the_servers_worker_gives_the_failing_request_its_error_and_the_others_a_retryable_one(decoder):
+    pytest.importorskip("fastapi")
+    import dataclasses
+
+    from specdecode.engine.driver import StepFailed
+    from specdecode.serve.app import failure
+    from specdecode.serve.worker import EngineWorker, Handle
+
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
+    loop_thread.start()
+    worker = EngineWorker(decoder.engine, max_queue=10)
+    try:
+        config = decoder.config(16, ENDLESS)
+        bad = Handle(decoder.request("abc", dataclasses.replace(
+            config, logits_processors=[failing_after(4, ValueError("bad"))]), chat=False), loop)
+        good = Handle(decoder.request("ace", config, chat=False), loop)
+        for handle in (good, bad):
+            worker.submit(handle)
+        worker.start()  # both are admitted to the first step
+        own, other = (asyncio.run_coroutine_threadsafe(_last_item(h), loop).result(timeout=60) for h in (bad, good))
+        assert isinstance(own, ValueError) and isinstance(other, StepFailed) and "ValueError" in str(other)
+        assert failure(own).status == 500 and failure(other).status == 503  # the client may retry the other
+        again = Handle(decoder.request("ace", config, chat=False), loop)
+        worker.submit(again)  # the worker goes on, clean
+        assert asyncio.run_coroutine_threadsafe(_last_item(again), loop).result(timeout=60) is None
+    finally:
+        worker.stop(timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join(10)
+        decoder.engine.reset()

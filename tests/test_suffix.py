@@ -69,6 +69,9 @@ def test_finished_requests_draft_for_later_ones_within_a_bounded_cache():
     proposer.add_row([5, 12, 13])
     assert proposer.propose([Row([5, 12, 13])], [4])[0].tokens.tolist() == []
     assert proposer.propose([Row([5, 24, 25])], [4])[0].tokens.tolist() == [26, 27, 28]
+    assert drafts[0].support == 2  # the 2-token match [12, 13] (no 4-token one)
+    proposer.forget()  # earlier requests gone; the running row keeps its own tokens
+    assert proposer.propose([Row([5, 24, 25])], [4])[0].tokens.tolist() == []
 
 
 def test_a_row_drafts_from_its_own_prompt_and_output():

@@ -161,6 +161,11 @@ class SuffixProposer(FreeDraftProposer):
                                              min(k, int(self.max_spec_factor * n)), self.min_prob), n
         return [], 0
 
+    def forget(self) -> None:
+        """Drop every earlier request's sequences (running rows keep their own)."""
+        self.cache = SuffixIndex(self.levels)
+        self._cached.clear()
+
     # --- internals -------------------------------------------------------------------------------
 
     def _new_id(self) -> int:

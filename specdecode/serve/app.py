@@ -15,6 +15,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from specdecode.engine.driver import StepFailed
 from specdecode.frontend import responses as protocol
 from specdecode.frontend.schema import ApiError, ChatRequest, CompletionRequest, check_model, parse
 from specdecode.serve.metrics import Metrics
@@ -313,8 +314,9 @@ class _ChoiceStream:
 
 
 def failure(err: Exception) -> ApiError:
-    """The error a request's client gets when its generation could not finish."""
-    if isinstance(err, ShuttingDown):
+    """The error a request's client gets when its generation could not finish: 503 (retry) when the
+    server is shutting down or another request's failure ended the step, 500 for its own."""
+    if isinstance(err, (ShuttingDown, StepFailed)):
         return ApiError(503, str(err))
     return ApiError(500, f"generation failed ({type(err).__name__}); the server goes on")
 

@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from specdecode.engine.driver import StepFailed
 from specdecode.engine.engine import Engine, StepOutput
 from specdecode.engine.request import Request
 from specdecode.engine.threads import ComputeThread
@@ -130,7 +131,7 @@ class EngineWorker:
                 outputs = self.engine.step()
             except Exception as err:  # one bad step must not stop the server
                 log.exception("an engine step failed; its %d requests get an error", len(self._handles))
-                self._abort_all(err)
+                self._abort_all(err, self.engine.culprit(err))
                 continue
             self._deliver(outputs)
             if self.on_step is not None:
@@ -165,13 +166,22 @@ class EngineWorker:
                 del self._handles[output.request_id]
                 self._send(handle, None)
 
-    def _abort_all(self, error: Exception | None) -> None:
+    def _abort_all(self, error: Exception | None, culprit: int | None = None) -> None:
+        """Every running request ends: with ShuttingDown (error None), else with the step's error,
+        which only the culprit (the request whose own code raised it) gets where there is one, the
+        others a StepFailed naming it."""
         if error is not None:  # the caches may hold a half-done step: start clean
             self.engine.reset()
         for request_id, handle in list(self._handles.items()):
             if error is None:
                 self.engine.abort(request_id)
-            self._send(handle, error or ShuttingDown("the server is shutting down"))
+                item = ShuttingDown("the server is shutting down")
+            elif culprit is None or request_id == culprit:
+                item = error
+            else:
+                item = StepFailed(f"another request in the same decoding step failed ({type(error).__name__}); "
+                                  f"this one ended with it")
+            self._send(handle, item)
         self._handles.clear()
 
     @staticmethod
