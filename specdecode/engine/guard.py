@@ -4,7 +4,8 @@ Speculation pays iff α > c (paper Cor. 3.9). In the paper's cost model (Thm 3.8
 costs 1 whatever its length, a draft forward costs c) a speculative step that made d draft
 forwards and emitted n tokens cost (1 + d·c) / n per token against 1 for a plain step. On a CPU
 a call verifying k drafts costs r(k+1) > 1 (measured: `specdecode bench`), so the guard charges
-1 + base + slope·k for the call (below), measured at load from r(2) and r(γ+1). The guard keeps running averages of the cost and of the tokens emitted over the request's speculative
+1 + base + slope·k for the call (below), measured at load from r(2) and r(γ+1). The guard keeps
+running averages of the cost and of the tokens emitted over the request's speculative
 steps (the prompt and the text move α) and pauses drafting while their ratio, the cost per token,
 is above 1; while paused the loop decodes plainly, and it probes speculation again every
 `probe_every` steps. (A ratio of averages, not an average of per-step ratios: steps that emit one
@@ -32,8 +33,9 @@ is expected to emit per unit of its cost, E_j / (1 + base + slope·j) with E_j =
 own acceptance of free drafts with the same support (the length of the match they were copied
 from: measured on the default pair, a 2-token match's drafts were accepted 0.55 a token, a 4-token
 one's 0.78, an 8-token one's 0.98), starting from support / (support + 1.5) worth FREE_PRIOR_TOKENS
-tokens (0.57, 0.73, 0.84: after one miss a 2-token match's drafts are declined). Steps with free drafts do not count towards the pause, which judges the draft model alone.
-Truncating a draft by what the past says is exact for the same reason as choosing γ (§2.3).
+tokens (0.57, 0.73, 0.84: after one miss a 2-token match's drafts are declined). Steps with free
+drafts do not count towards the pause, which judges the draft model alone. Truncating a draft by
+what the past says is exact for the same reason as choosing γ (§2.3).
 """
 
 from __future__ import annotations
