@@ -84,6 +84,21 @@ def test_lean_forward_gives_transformers_logits_through_rows_trees_and_rollback(
     assert_close(both(backends, "forward", [ids(3), ids(1)], 3))
 
 
+def test_an_eager_draft_reads_a_wide_feed_with_sdpa_and_the_same_logits(monkeypatch):
+    model = int4(tiny_qwen2(15, hidden=128))
+    backends = pair(model, vocab_limit=80)
+    wide = list(range(3, 3 + 3 * lean.EAGER_MAX_WIDTH))
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(lean.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(a[0].shape[2]) or sdpa(*a, **k))
+    both(backends, "add_row", None, wide)  # a prompt read wider than EAGER_MAX_WIDTH
+    both(backends, "add_row")
+    assert_close(both(backends, "forward", [[1], wide], 2))
+    assert calls and min(calls) > lean.EAGER_MAX_WIDTH  # the wide calls only: narrow ones stay eager
+    assert_close(both(backends, "forward", [[4], [5]], 1))
+    assert max(calls) == len(wide) and len(calls) == 2 * len(model.model.layers)
+
+
 def test_lean_forward_without_a_vocab_limit_uses_the_models_head():
     backends = pair(tiny_qwen2(3))
     both(backends, "add_row", None, [1, 2, 3])

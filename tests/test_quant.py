@@ -97,6 +97,24 @@ def test_many_rows_take_the_dequantized_gemm_and_agree_with_the_integer_kernel(k
     assert torch.allclose(many, rows, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", [Int8Linear, Int4Linear])
+def test_without_native_bfloat16_many_bfloat16_rows_take_a_float32_gemm(kind, monkeypatch):
+    torch.manual_seed(1)
+    layer = kind(torch.randn(32, 64), torch.randn(32))
+    x = torch.randn(kind.EMULATED_DEQUANTIZE_ABOVE_ROWS + 4, 64).bfloat16()
+    expected = (torch.nn.functional.linear(x.float(), layer.dequantize(torch.float32)) + layer.bias.float())
+    monkeypatch.setattr("specdecode.models.quant._native_bfloat16", lambda: False)
+    emulated = layer(x)
+    assert emulated.dtype == torch.bfloat16
+    assert torch.equal(emulated, expected.bfloat16()) or torch.allclose(emulated.float(), expected, atol=0.1, rtol=0.02)
+    # the bfloat16 GEMM a native CPU takes gives a differently rounded result
+    monkeypatch.setattr("specdecode.models.quant._native_bfloat16", lambda: True)
+    native = layer(x)
+    assert not torch.equal(native, emulated)
+    rows = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])  # a few rows: the integer kernel either way
+    assert torch.allclose(emulated.float(), rows.float(), atol=0.1, rtol=0.02)
+
+
 def test_a_batch_with_an_int4_draft_equals_its_rows_alone():
     target, draft = tiny_llama(0), tiny_llama(0)
     with torch.no_grad():

@@ -10,6 +10,8 @@ quantized: its distribution is the one the output must follow.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from specdecode.models import kernels
@@ -18,6 +20,12 @@ from specdecode.models import kernels
 # inside them at the first draft step, so prepare_draft checks first.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_GROUP_SIZE = 32  # inputs per int4 scale and zero
+
+
+@functools.cache
+def _native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices natively (asked once per process)."""
+    return kernels.onednn_bfloat16_supported()
 
 
 class _QuantizedLinear(torch.nn.Module):
@@ -30,9 +38,21 @@ class _QuantizedLinear(torch.nn.Module):
     dequantize_above_rows: dict[torch.dtype, int]
     DEQUANTIZE_ABOVE_ROWS = 16  # any other dtype
 
+    # rows above which a bfloat16 input is dequantized to float32 for the product where bfloat16 is
+    # emulated (no native kernel: AVX2-only CPUs); there, at 704 rows of a 896x4864 layer, int4:
+    # bfloat16 GEMM 251 ms, float32 GEMM 50, kernel 83; near 128-160 rows float32 and the
+    # kernels cost about the same (2 cores, torch 2.13, bfloat16 capped by ONEDNN_MAX_CPU_ISA)
+    EMULATED_DEQUANTIZE_ABOVE_ROWS = 160
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous()  # the int4 kernel refuses strided rows
-        if flat.shape[0] > self.dequantize_above_rows.get(flat.dtype, self.DEQUANTIZE_ABOVE_ROWS):
+        rows = flat.shape[0]
+        if flat.dtype == torch.bfloat16 and flat.device.type == "cpu" and not _native_bfloat16():
+            if rows > self.EMULATED_DEQUANTIZE_ABOVE_ROWS:
+                y = torch.nn.functional.linear(flat.float(), self.dequantize(torch.float32)).to(flat.dtype)
+            else:
+                y = self._kernel(flat)
+        elif rows > self.dequantize_above_rows.get(flat.dtype, self.DEQUANTIZE_ABOVE_ROWS):
             # The integer kernels cost in proportion to the rows; dequantizing costs a fixed
             # pass over the weights, so for a prompt (hundreds of rows) it wins.
             y = torch.nn.functional.linear(flat, self.dequantize(x.dtype))
