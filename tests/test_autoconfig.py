@@ -49,9 +49,10 @@ def test_auto_times_the_pair_once_and_a_second_start_reuses_the_choice(model_dir
     assert list((cache / "choices").glob("*.json"))
     # every draft kernel the default allows, in every dtype (the float draft in bfloat16 only)
     for kind in ALL_KINDS:
-        for dtype in ("bfloat16", "bfloat16-gemv", "float32"):
+        for dtype in ("bfloat16", "bfloat16-gemv", "bfloat16-sdpa", "float32"):
             timed = any(note.startswith(f"{kind} {dtype} draft: step") for note in first.choice.notes)
-            assert timed == (kind != "none" or dtype != "float32")
+            # SDPA is timed where the prepared draft runs eager attention (the quantized ones)
+            assert timed == (kind != "none" or dtype not in ("float32", "bfloat16-sdpa"))
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured again")
@@ -87,6 +88,18 @@ def test_a_gemv_choice_runs_one_row_calls_of_both_models_without_onednn(model_di
     assert decoder.dtype == torch.bfloat16 and decoder.num_speculative_tokens == 6
     assert not decoder.target.backend.one_row_onednn and not decoder.draft.backend.one_row_onednn
     assert decoder.generate("abcab", max_new_tokens=12, sampling=GREEDY).stats.num_drafted > 0
+
+
+def test_an_sdpa_choice_runs_the_drafts_steps_with_sdpa_and_greedy_equals_plain(model_dirs, cache, timed_when_tiny):
+    _cached(model_dirs, Choice("bfloat16", "int4", "bfloat16-sdpa", 4, 10.0, 5.0))
+    decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
+    assert decoder.draft_dtype == torch.bfloat16 and decoder.draft.backend.one_row_onednn
+    assert not decoder.draft.backend.eager_attention
+    assert SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="bfloat16").draft.backend.eager_attention
+    got = decoder.generate("abcab", max_new_tokens=16, sampling=GREEDY)
+    plain = SpeculativeDecoder(model_dirs["target"], None, dtype="bfloat16").generate("abcab", max_new_tokens=16,
+                                                                                       sampling=GREEDY)
+    assert got.stats.num_drafted > 0 and got.token_ids == plain.token_ids
 
 
 def test_a_plain_choice_loads_no_draft_and_keeps_only_the_free_drafts(model_dirs, cache, timed_when_tiny):

@@ -109,6 +109,10 @@ class HFCausalLM:
             arithmetic (float32 accumulation), and on some CPUs the faster one (AVX-512-BF16
             Zen 4: a target step 197 against 281 ms, docs/auto-configuration.md). True (default) leaves
             torch's choice; dtype="auto" times both (specdecode.measure.autoconfig).
+        eager_attention: whether the lean forward's narrow calls (a draft step, a short catch-up)
+            use eager attention, as a prepared draft asks; set False for SDPA, which some CPUs
+            run faster even for one query row (dtype="auto" times both). False without a lean
+            forward.
     Raises:
         ValueError: vocab_limit on a model whose LM head is not a plain linear layer.
     """
@@ -132,6 +136,15 @@ class HFCausalLM:
         self._lean = lean_decoder.LeanDecoder(model) if lean and not self.sliding and lean_decoder.supports(model) \
             else None
         self.reset()
+
+    @property
+    def eager_attention(self) -> bool:
+        return self._lean is not None and self._lean.eager
+
+    @eager_attention.setter
+    def eager_attention(self, eager: bool) -> None:
+        if self._lean is not None:
+            self._lean.eager = eager
 
     def reset(self) -> None:
         """Drop every row."""
