@@ -86,15 +86,19 @@ def guard_costs(target, draft, gamma: int, encoder_decoder: bool = False) -> tup
     """(c, slope, base) for the guard (engine.guard, Cor. 3.9): c = a draft step's time over a
     target step's (0 without a draft model: free drafts cost no forward), and a call verifying
     k >= 1 drafts priced 1 + base + slope·k target steps, the line through r(2) and r(γ+1) (base
-    >= 0: where r is concave the line from r(1) to r(γ+1) instead); timed at a 64-token context
+    >= 0: where r is concave the line from r(1) to r(γ+1) instead, and where r(γ+1) < r(2) the
+    wide call's cost r(γ+1) for any verify); timed at a 64-token context
     (an encoder–decoder pair's decoders attend to an encoded input of it)."""
     vocab = target.vocab_size if draft is None else min(target.vocab_size, draft.vocab_size)
     context = [i % vocab for i in range(100, 164)]
     costs = measure_costs(target, draft, context, [2, gamma + 1], repeats=3,
                           encoder_input_ids=context if encoder_decoder else None)
     r2, r_last = costs["r"][2], costs["r"][gamma + 1]
-    slope = max(r_last - r2, 0.0) / (gamma - 1) if gamma > 1 else 0.0
-    base = r2 - 1 - slope
-    if base < 0:
-        slope, base = max(r_last - 1, 0.0) / gamma, 0.0
+    if gamma == 1 or r_last < r2:  # no rising line through both (AMX: r(2) 1.24, r(9) 1.06): the
+        slope, base = 0.0, max(r_last - 1, 0.0)  # wide call's cost for any verify
+    else:
+        slope = (r_last - r2) / (gamma - 1)
+        base = r2 - 1 - slope
+        if base < 0:
+            slope, base = max(r_last - 1, 0.0) / gamma, 0.0
     return costs.get("c", 0.0), slope, base
