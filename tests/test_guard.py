@@ -146,6 +146,16 @@ def test_free_drafts_alone_are_guarded_with_no_draft_cost(model_dirs):
     assert paused.stats.num_free_declined > 0 and unguarded.stats.num_free_declined == 0
 
 
+def test_the_verify_line_fits_r2_and_r_gamma_plus_1_and_never_goes_negative():
+    from specdecode.tune.timing import verify_line
+
+    slope, base = verify_line(1.40, 2.96, 8)  # a Q4_K_M target on llama.cpp
+    assert slope == pytest.approx(0.2229, abs=1e-3) and base == pytest.approx(0.1771, abs=1e-3)
+    assert verify_line(1.24, 1.06, 8) == pytest.approx((0.0, 0.06))  # AMX torch: r falls; the wide call's cost
+    assert verify_line(1.05, 2.6, 8) == pytest.approx((0.2, 0.0))   # concave: the line from r(1)
+    assert verify_line(1.3, 1.3, 1) == pytest.approx((0.0, 0.3))
+
+
 # --- free drafts: each priced on its own (Eq. 1 against the verify cost) ------------------------------
 
 def test_a_free_draft_is_verified_as_far_as_eq_1_says_it_pays():

@@ -93,12 +93,14 @@ def guard_costs(target, draft, gamma: int, encoder_decoder: bool = False) -> tup
     context = [i % vocab for i in range(100, 164)]
     costs = measure_costs(target, draft, context, [2, gamma + 1], repeats=3,
                           encoder_input_ids=context if encoder_decoder else None)
-    r2, r_last = costs["r"][2], costs["r"][gamma + 1]
+    return (costs.get("c", 0.0), *verify_line(costs["r"][2], costs["r"][gamma + 1], gamma))
+
+
+def verify_line(r2: float, r_last: float, gamma: int) -> tuple[float, float]:
+    """(slope, base) of the verify cost 1 + base + slope·k through r(2) and r(γ+1), both >= 0."""
     if gamma == 1 or r_last < r2:  # no rising line through both (AMX: r(2) 1.24, r(9) 1.06): the
-        slope, base = 0.0, max(r_last - 1, 0.0)  # wide call's cost for any verify
-    else:
-        slope = (r_last - r2) / (gamma - 1)
-        base = r2 - 1 - slope
-        if base < 0:
-            slope, base = max(r_last - 1, 0.0) / gamma, 0.0
-    return costs.get("c", 0.0), slope, base
+        return 0.0, max(r_last - 1, 0.0)  # wide call's cost for any verify
+    slope = (r_last - r2) / (gamma - 1)
+    if r2 - 1 - slope < 0:  # concave: the line from r(1) instead
+        return max(r_last - 1, 0.0) / gamma, 0.0
+    return slope, r2 - 1 - slope
