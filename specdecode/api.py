@@ -13,6 +13,7 @@ from specdecode import tune
 from specdecode.config import DecoderConfig
 from specdecode.engine.driver import Driver
 from specdecode.engine.engine import Engine
+from specdecode.engine.output import HeldTokens
 from specdecode.engine.request import DecodeConfig, GenerationResult, Request, TokenEvent
 from specdecode.frontend.builder import RequestBuilder, choice_samplings, generation_defaults, is_int as _is_int
 from specdecode.frontend.schema import MAX_CHOICES
@@ -46,7 +47,7 @@ class GenerationStream:
         # A token whose text a possible stop string holds back waits until its text is released:
         # if a stop cuts the output before it, it is past the cut and its logprob is dropped, as
         # result.logprobs and the server drop it (its id and any text it releases still come).
-        held, released = [], 0
+        held = HeldTokens()
         events = self._driver.stream(self._request_id)
         try:
             while True:
@@ -55,17 +56,13 @@ class GenerationStream:
                 except StopIteration as end:
                     self.result = end.value
                     break
-                held.append(event)
-                released += len(event.text)
-                ready = next((i for i, e in enumerate(held) if e.text_offset >= released), len(held))
-                yield from held[:ready]
-                del held[:ready]
+                yield from held.push([event])
         finally:
             events.close()  # stopped early: the request is aborted now
         self._finalizer.detach()
-        returned = self.result.num_returned_tokens - (len(self.result.token_ids) - len(held))
-        for i, event in enumerate(held):
-            yield event if i < returned else dataclasses.replace(event, logprob=None)
+        kept, past = held.finish(self.result.num_returned_tokens)
+        yield from kept
+        yield from (dataclasses.replace(event, logprob=None) for event in past)
 
     def close(self) -> None:
         """Abort the request if it has not finished (its row leaves the batch)."""

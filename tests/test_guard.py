@@ -44,6 +44,42 @@ def test_a_winning_draft_with_uneven_steps_is_never_paused():
     assert all(decisions) and guard.num_pauses == 0
 
 
+# A Spec-Bench chat answer's speculative steps on the default pair, unguarded (drafts verified,
+# draft forwards, tokens emitted), in order: 82 tokens in 45 steps, about half the drafts accepted.
+CHAT_ANSWER = [(3, 3, 1), (3, 3, 3), (1, 1, 1), (1, 1, 1), (1, 1, 1), (2, 2, 3), (3, 3, 1), (3, 3, 3),
+               (7, 7, 1), (7, 7, 8), (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), (2, 2, 3), (1, 1, 1),
+               (3, 3, 2), (5, 5, 2), (1, 1, 2), (8, 8, 2), (8, 8, 1), (1, 1, 1), (1, 1, 1), (3, 3, 1),
+               (7, 7, 7), (4, 4, 1), (1, 1, 2), (2, 2, 2), (3, 3, 3), (2, 2, 1), (1, 1, 2), (1, 1, 2),
+               (1, 1, 2), (1, 1, 2), (1, 1, 1), (1, 1, 1), (2, 2, 1), (2, 2, 1), (2, 2, 1), (1, 1, 1),
+               (2, 2, 1), (1, 1, 1), (1, 1, 2), (1, 1, 2), (1, 1, 2)]
+
+
+def test_a_paying_draft_that_starts_with_misses_is_not_paused():
+    # At the default pair's costs (c = 0.11, r(2) = 1.04) these steps cost 0.72 target steps a
+    # token, yet four of the first five emit one token. A 5-step mean paused this answer five
+    # times for 16 steps; the standard error says four steps are too few to tell.
+    costs = (0.11, 0.002, 0.04)
+    cost = sum(1 + costs[2] + costs[1] * d + costs[0] * f for d, f, _ in CHAT_ANSWER)
+    assert cost / sum(e for *_, e in CHAT_ANSWER) < 0.75
+    guard = SpeculationGuard(*costs)
+    for step in CHAT_ANSWER:
+        assert guard.speculate()
+        guard.record(*step)
+    assert guard.num_pauses == 0
+    # the same steps priced where drafting is dear (c = 0.6): paused
+    dear = SpeculationGuard(0.6, 0.22, 0.18)
+    assert not all(steps_of(dear, CHAT_ANSWER)) and dear.num_pauses > 0
+
+
+def steps_of(guard, recorded):
+    decisions = []
+    for step in recorded:
+        decisions.append(guard.speculate())
+        if decisions[-1]:
+            guard.record(*step)
+    return decisions
+
+
 def test_a_losing_draft_is_paused_and_probed_again():
     guard = SpeculationGuard(cost_coefficient=0.3, probe_every=16, warmup=4)
     decisions = steps(guard, 100, drafted=4, forwards=4, emitted=2)  # 2.2 / 2 = 1.1 > 1

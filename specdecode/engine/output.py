@@ -78,3 +78,33 @@ class Output:
             text, _ = self.stops.push(text)
             text += self.stops.flush()
         return text
+
+
+class HeldTokens:
+    """A stream's token events held until their text starts reaching the caller: a possible stop
+    string holds text back, and if a stop then cuts the output before a token, that token is past
+    the cut (not listed, no logprob), as GenerationResult.num_returned_tokens says. The library's
+    stream and the server's logprobs both release tokens by this rule."""
+
+    def __init__(self):
+        self.held: list[TokenEvent] = []
+        self.released_chars = 0  # characters of text passed on
+        self.released = 0        # events passed on
+
+    def push(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        """Hold `events`; return the held ones whose text has started reaching the caller."""
+        self.held.extend(events)
+        self.released_chars += sum(len(e.text) for e in events)
+        ready = next((i for i, e in enumerate(self.held) if e.text_offset >= self.released_chars), len(self.held))
+        return self._release(ready)
+
+    def finish(self, num_returned_tokens: int) -> tuple[list[TokenEvent], list[TokenEvent]]:
+        """At the end: (the held events in the output, those past a stop's cut)."""
+        kept = self._release(num_returned_tokens - self.released)
+        past, self.held = self.held, []
+        return kept, past
+
+    def _release(self, count: int) -> list[TokenEvent]:
+        out, self.held[:count] = self.held[:count], []
+        self.released += len(out)
+        return out

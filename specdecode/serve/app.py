@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from specdecode.engine.driver import StepFailed
+from specdecode.engine.output import HeldTokens
 from specdecode.frontend import responses as protocol
 from specdecode.frontend.schema import ApiError, ChatRequest, CompletionRequest, check_model, parse
 from specdecode.serve.metrics import Metrics
@@ -290,25 +291,19 @@ def merge(handles: list[Handle]) -> tuple[asyncio.Queue, list[asyncio.Task]]:
 
 class _ChoiceStream:
     """One streamed choice's logprobs bookkeeping: a token's logprobs are sent once its text has
-    started reaching the client (a stop string may cut the text inside it)."""
+    started reaching the client (a stop string may cut the text inside it: HeldTokens)."""
 
     def __init__(self, ids, logprobs: bool, tokenizer, shift: int = 0):
         self.ids, self.logprobs, self.tokenizer, self.shift = ids, logprobs, tokenizer, shift  # shift: echo's length
-        self.waiting: list = []  # events whose logprobs wait until their text is sent
-        self.sent = self.listed = 0  # characters of text sent; tokens whose logprobs were sent
+        self.held = HeldTokens()
 
     def logprobs_of(self, events, result=None) -> dict | None:
         """The chunk's logprobs for these events (result: the choice's last chunk)."""
         if not self.logprobs:
             return None
-        self.waiting.extend(events)
-        self.sent += sum(len(e.text) for e in events)
-        if result is None:  # a token whose text has started reaching the client is in the output
-            ready = next((i for i, e in enumerate(self.waiting) if e.text_offset >= self.sent), len(self.waiting))
-        else:  # the output's last tokens: those with text in it (result.num_returned_tokens)
-            ready = result.num_returned_tokens - self.listed
-        entries, self.waiting[:ready] = self.waiting[:ready], []
-        self.listed += len(entries)
+        entries = self.held.push(events)
+        if result is not None:  # the output's last tokens: those with text in it
+            entries += self.held.finish(result.num_returned_tokens)[0]
         return protocol.logprobs_body(self.ids.chat, [e.logprob for e in entries],
                                       [self.shift + e.text_offset for e in entries], self.tokenizer)
 
