@@ -66,6 +66,9 @@ def test_a_paying_draft_that_starts_with_misses_is_not_paused():
         assert guard.speculate()
         guard.record(*step)
     assert guard.num_pauses == 0
+    # the earlier rule (a 5-step mean, 4 steps of warm-up, no error margin) pauses these steps
+    earlier = SpeculationGuard(*costs, decay=0.8, warmup=4, margin=0.0)
+    assert not all(steps_of(earlier, CHAT_ANSWER)) and earlier.num_pauses >= 2
     # the same steps priced where drafting is dear (c = 0.6): paused
     dear = SpeculationGuard(0.6, 0.22, 0.18)
     assert not all(steps_of(dear, CHAT_ANSWER)) and dear.num_pauses > 0
@@ -101,10 +104,10 @@ def test_speculation_resumes_when_it_starts_to_pay():
 
 
 @pytest.mark.parametrize("kwargs", [dict(cost_coefficient=-1), dict(verify_slope=-1), dict(verify_base=-1),
-                                    dict(probe_every=0),
+                                    dict(probe_every=0), dict(margin=-0.5),
                                     dict(decay=1.0), dict(warmup=0)])
 def test_bad_settings_raise(kwargs):
-    with pytest.raises(ValueError, match=r"need cost_coefficient, verify_slope, verify_base >= 0, probe_every >= 1, "
+    with pytest.raises(ValueError, match=r"need cost_coefficient, verify_slope, verify_base, margin >= 0, probe_every >= 1, "
                                          r"decay in \[0, 1\), warmup >= 1"):
         SpeculationGuard(**{"cost_coefficient": 0.1, **kwargs})
 

@@ -16,9 +16,12 @@ overstates the cost and paused a draft with α ≈ 0.85 three times in four Huma
 standard error: a Spec-Bench chat answer whose draft accepted about half its tokens, and paid
 1.45x unguarded, lost four misses in its first five steps and was paused five times for 16
 steps, 0.70x of its unguarded speed; a draft that never pays has steady gains, small errors, and
-is paused as early as before. Replayed over the recorded steps of 18 Spec-Bench answers at the
-default pair's costs, this rule gave 1.90x (against 1.83x with a 5-step mean and no error), no
-answer slower than under the old rule, and drafts that never pay paused as soon.)
+is paused as early as before. Replayed over the recorded steps of 18 Spec-Bench answers
+(benchmarks/guard_replay.py, docs/results/guard_replay.md): at the costs measured at load every
+answer ran as fast as unguarded, 2.18x plain decoding (the earlier rule: 2.13x, one answer 2.56x
+→ 1.78x); at c = 0.3, 1.22x against 1.18x; where drafting rarely pays (c = 0.6) 0.95x against
+0.96x; a draft that never pays ran 0.98x / 0.93x / 0.88x of plain at those costs (earlier rule
+0.98x / 0.92x / 0.85x, unguarded 0.84x / 0.56x / 0.38x).)
 
 Where c and the slope come from: measured at load (SpeculativeDecoder), then kept current from the
 loop's own timings (engine.cost, `set_costs`): a load spike during the start-up measurement would
@@ -64,17 +67,20 @@ class SpeculationGuard:
         probe_every: plain steps between probes while paused (>= 1).
         decay: weight of the past in the running statistics, per step, in [0, 1).
         warmup: speculative steps before the first judgement (one step is noisy), >= 1.
+        margin: how many standard errors below zero the mean gain must be to pause (>= 0; 0 is
+            the earlier rule, which paused on the mean alone).
     Raises:
         ValueError: a setting out of range.
     """
 
     def __init__(self, cost_coefficient: float, verify_slope: float = 0.0, verify_base: float = 0.0,
-                 probe_every: int = 16, decay: float = 0.9, warmup: int = 3):
-        if min(cost_coefficient, verify_slope, verify_base) < 0 or probe_every < 1 or not 0 <= decay < 1 or warmup < 1:
-            raise ValueError("need cost_coefficient, verify_slope, verify_base >= 0, probe_every >= 1, "
+                 probe_every: int = 16, decay: float = 0.9, warmup: int = 3, margin: float = 1.0):
+        if min(cost_coefficient, verify_slope, verify_base, margin) < 0 or probe_every < 1 or not 0 <= decay < 1 \
+                or warmup < 1:
+            raise ValueError("need cost_coefficient, verify_slope, verify_base, margin >= 0, probe_every >= 1, "
                              "decay in [0, 1), warmup >= 1")
         self.c, self.slope, self.base, self.probe_every = cost_coefficient, verify_slope, verify_base, probe_every
-        self.decay, self.warmup = decay, warmup
+        self.decay, self.warmup, self.margin = decay, warmup, margin
         self.cost_per_token: float | None = None  # target calls per token, from the weighted means
         # Exponentially weighted sums over the speculative steps of v = (drafts verified, draft
         # forwards, tokens emitted) and of v v^T, with the sums of the weights and of their squares
@@ -113,7 +119,7 @@ class SpeculationGuard:
         self.num_speculative_steps += 1
         self.cost_per_token = self._cost_per_token()
         gain, error = self.gain()
-        if self.num_speculative_steps >= self.warmup and gain < -error:
+        if self.num_speculative_steps >= self.warmup and gain < -self.margin * error:
             self.paused_for = self.probe_every
             self.num_pauses += 1
 
