@@ -26,6 +26,16 @@ def steps(guard, n, drafted, forwards, emitted):
     return decisions
 
 
+def steps_of(guard, recorded):
+    """Feed recorded steps (drafted, forwards, emitted) to the guard, skipping those it pauses."""
+    decisions = []
+    for step in recorded:
+        decisions.append(guard.speculate())
+        if decisions[-1]:
+            guard.record(*step)
+    return decisions
+
+
 def test_a_winning_draft_is_never_paused():
     guard = SpeculationGuard(cost_coefficient=0.3, verify_slope=0.02)
     # 3 tokens per call for 1 + 4·0.02 + 4·0.3 = 2.28 target steps: 0.76 per token
@@ -62,25 +72,13 @@ def test_a_paying_draft_that_starts_with_misses_is_not_paused():
     cost = sum(1 + costs[2] + costs[1] * d + costs[0] * f for d, f, _ in CHAT_ANSWER)
     assert cost / sum(e for *_, e in CHAT_ANSWER) < 0.75
     guard = SpeculationGuard(*costs)
-    for step in CHAT_ANSWER:
-        assert guard.speculate()
-        guard.record(*step)
-    assert guard.num_pauses == 0
+    assert all(steps_of(guard, CHAT_ANSWER)) and guard.num_pauses == 0
     # the earlier rule (a 5-step mean, 4 steps of warm-up, no error margin) pauses these steps
     earlier = SpeculationGuard(*costs, decay=0.8, warmup=4, margin=0.0)
     assert not all(steps_of(earlier, CHAT_ANSWER)) and earlier.num_pauses >= 2
     # the same steps priced where drafting is dear (c = 0.6): paused
     dear = SpeculationGuard(0.6, 0.22, 0.18)
     assert not all(steps_of(dear, CHAT_ANSWER)) and dear.num_pauses > 0
-
-
-def steps_of(guard, recorded):
-    decisions = []
-    for step in recorded:
-        decisions.append(guard.speculate())
-        if decisions[-1]:
-            guard.record(*step)
-    return decisions
 
 
 def test_a_losing_draft_is_paused_and_probed_again():

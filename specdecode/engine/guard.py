@@ -25,11 +25,11 @@ answer ran as fast as unguarded, 2.18x plain decoding (the earlier rule: 2.13x, 
 
 Where c and the slope come from: measured at load (SpeculativeDecoder), then kept current from the
 loop's own timings (engine.cost, `set_costs`): a load spike during the start-up measurement would
-otherwise pause drafting for the whole run. The statistics are kept per term (weighted sums of drafts
-verified, draft forwards and tokens, and of their products), so new costs re-price the whole
-history at once. Only greedy and unseeded
-requests are guarded (SpeculativeDecoder.config): a greedy output does not depend on when drafting
-pauses, and an unseeded one promises no reproducibility. Choosing γ (here: 0 or γ_max) from the
+otherwise pause drafting for the whole run. The statistics are kept per term (weighted sums of
+drafts verified, draft forwards and tokens, and of their products), so new costs re-price the
+whole history at once. Only greedy and unseeded requests are guarded (SpeculativeDecoder.config):
+a greedy output does not depend on when drafting pauses, and an unseeded one promises no
+reproducibility. Choosing γ (here: 0 or γ_max) from the
 past is exact: each step samples from p given the prefix, whatever γ was (paper §2.3).
 
 A verify call's cost is affine in the drafts it scores: 1 + base + slope·k target steps for k >= 1
@@ -81,7 +81,6 @@ class SpeculationGuard:
                              "decay in [0, 1), warmup >= 1")
         self.c, self.slope, self.base, self.probe_every = cost_coefficient, verify_slope, verify_base, probe_every
         self.decay, self.warmup, self.margin = decay, warmup, margin
-        self.cost_per_token: float | None = None  # target calls per token, from the weighted means
         # Exponentially weighted sums over the speculative steps of v = (drafts verified, draft
         # forwards, tokens emitted) and of v v^T, with the sums of the weights and of their squares
         self._weights = self._squared_weights = 0.0
@@ -96,8 +95,6 @@ class SpeculationGuard:
         """New c and slope (from the loop's timings; the base stays as measured at load); they
         apply to the steps already recorded too."""
         self.c, self.slope = max(cost_coefficient, 0.0), max(verify_slope, 0.0)
-        if self.num_speculative_steps:
-            self.cost_per_token = self._cost_per_token()
 
     def speculate(self) -> bool:
         """Draft on this step?"""
@@ -117,7 +114,6 @@ class SpeculationGuard:
             for j in range(3):
                 self._sum_products[i][j] = d * self._sum_products[i][j] + v[i] * v[j]
         self.num_speculative_steps += 1
-        self.cost_per_token = self._cost_per_token()
         gain, error = self.gain()
         if self.num_speculative_steps >= self.warmup and gain < -self.margin * error:
             self.paused_for = self.probe_every
@@ -133,10 +129,6 @@ class SpeculationGuard:
         effective_steps = self._weights ** 2 / self._squared_weights
         error = (max(var, 0.0) / max(effective_steps - 1, 1.0)) ** 0.5
         return sum(wi * m for wi, m in zip(w, mean)) - 1 - self.base, error
-
-    def _cost_per_token(self) -> float:
-        drafted, forwards, tokens = (s / self._weights for s in self._sum)
-        return (1 + self.base + self.slope * drafted + self.c * forwards) / tokens
 
     def free_alpha(self, support: int) -> float:
         """This request's acceptance rate of free drafts copied from a match of `support` tokens,
