@@ -10,6 +10,7 @@ import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 # float32 rounds a temperature at or below 2**-150 (≈ 7e-46) to 0, and adjust divides float32
@@ -129,6 +130,16 @@ class SamplingParams:
         return self.temperature <= GREEDY_TEMPERATURE_AT_MOST
 
 
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1): [...] int64, the first maximum on the last dim (the lowest id wins ties).
+    float32 CPU tensors go through numpy: torch 2.13's CPU argmax reads a 151936-entry vocabulary
+    in 0.29 ms and [9, 151936] in 1.9 ms, numpy in 0.012 and 0.26 ms (measured 2026-12-06), i.e.
+    ~2 ms of every greedy speculative step and 0.3 ms of every plain one."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
+        return torch.from_numpy(np.asarray(x.numpy().argmax(-1), dtype=np.int64))
+    return x.argmax(-1)
+
 def adjust(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Turn logits into the adjusted distribution that is actually sampled (paper §2.2).
 
@@ -142,7 +153,7 @@ def adjust(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(first_argmax(logits), logits.shape[-1]).float()
     # Subtract the max before dividing: a tiny temperature would otherwise overflow to inf − inf.
     probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / params.temperature, dim=-1)
     if params.top_k and params.top_k < probs.shape[-1]:

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from specdecode.sampling import first_argmax
+
 
 def _check_shapes(draft_tokens, draft_probs, target_probs):
     if (draft_tokens.dim() != 2 or draft_probs.dim() != 3 or target_probs.dim() != 3
@@ -153,7 +155,7 @@ def greedy_lenient_step(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
         raise ValueError(f"lenience must be in (0, 1], got {lenience}")
     batch, k = draft_tokens.shape
     logits = target_logits.float()
-    argmax = logits.argmax(-1)  # [B, k+1]; the first maximum, as sampling.adjust
+    argmax = first_argmax(logits)  # [B, k+1]; the first maximum, as sampling.adjust
     in_vocab = draft_tokens < logits.shape[-1]
     z_x = logits[:, :k].gather(-1, torch.where(in_vocab, draft_tokens, 0).unsqueeze(-1)).squeeze(-1)
     # p(x) / max p = exp(z_x − z_max): compared in log space, no softmax underflow.

@@ -93,3 +93,17 @@ def test_ints_are_numbers_and_numpy_scalars_are_stored_as_python_numbers():
     assert type(params.temperature) is float and type(params.top_k) is int and type(params.seed) is int
     assert type(SamplingParams(temperature=np.float32(0.5)).temperature) is float
     make_generator(params.seed)  # torch's manual_seed refuses numpy integers
+
+
+def test_first_argmax_is_torchs_argmax_with_the_lowest_id_on_ties():
+    from specdecode.sampling import first_argmax
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 1000, generator=generator)
+    x[0, 0, [7, 3, 900]] = 50.0            # a tie: the lowest id wins
+    x[1, 2, :] = 0.0                       # all equal: id 0
+    x[2, 4, [10, 20]] = float("inf")
+    for t in (x, x[0, 0], x.transpose(0, 1), x.double(), x.bfloat16()):
+        assert torch.equal(first_argmax(t), t.argmax(-1)), t.dtype
+    assert first_argmax(x)[0, 0] == 3 and first_argmax(x)[1, 2] == 0 and first_argmax(x)[2, 4] == 10
+    assert first_argmax(x).dtype == torch.int64 and first_argmax(x[0, 0]).shape == ()

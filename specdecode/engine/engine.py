@@ -39,7 +39,7 @@ from specdecode.engine.request import (ACCEPTED, BONUS, CORRECTED, TARGET, Decod
 from specdecode.engine.stats import GenerationStats
 from specdecode.processors import LogitsPipeline, build_pipeline
 from specdecode.proposers.base import Draft, no_draft, proposer_reads
-from specdecode.sampling import SamplingParams, adjust, make_generator, sample
+from specdecode.sampling import SamplingParams, adjust, first_argmax, make_generator, sample
 from specdecode.verify import block_step, greedy_lenient_step, speculative_step, tree_step
 
 
@@ -144,7 +144,7 @@ def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch
         # p and q, without building [k+1, V] one-hots. Lenience must see the target's
         # untempered distribution, not the one-hot (paper A.5).
         if k == 0:
-            return 0, int(logits[0].argmax())
+            return 0, int(first_argmax(logits[0]))
         n, token = greedy_lenient_step(drafts[None], logits[None], config.lenience)
         return int(n), int(token)
     p = adjust(logits, config.sampling)

@@ -10,7 +10,7 @@ import torch
 
 from specdecode.proposers import tree
 from specdecode.proposers.base import Draft, DraftRow, no_draft
-from specdecode.sampling import adjust, sample
+from specdecode.sampling import adjust, first_argmax, sample
 
 
 @dataclass
@@ -194,7 +194,7 @@ class DraftModelProposer:
                 p.k = j
                 return
         q = adjust(scores, row.sampling)
-        token = int(q.argmax()) if row.sampling.greedy else int(sample(q, row.generator))
+        token = int(first_argmax(q)) if row.sampling.greedy else int(sample(q, row.generator))
         confidence = None
         if self.confidence_threshold or p.tree:
             confidence = float(torch.softmax(logits, -1)[token])
