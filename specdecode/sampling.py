@@ -130,7 +130,6 @@ class SamplingParams:
         return self.temperature <= GREEDY_TEMPERATURE_AT_MOST
 
 
-
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1): [...] int64, the first maximum on the last dim (the lowest id wins ties).
     float32 CPU tensors go through numpy: torch 2.13's CPU argmax reads a 151936-entry vocabulary
@@ -139,6 +138,7 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
         return torch.from_numpy(np.asarray(x.numpy().argmax(-1), dtype=np.int64))
     return x.argmax(-1)
+
 
 def adjust(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Turn logits into the adjusted distribution that is actually sampled (paper §2.2).
