@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = parser.parse_args()
+    if args.prompts < 1 or args.new_tokens < 1:
+        parser.error("--prompts and --new-tokens must be >= 1")
     decoder = SpeculativeDecoder()
     measured = tuple(decoder.guard_costs) + (0.0,) * (3 - len(decoder.guard_costs))
     requests = {f"spec_bench {i}": record(decoder, prompt, args.new_tokens)
