@@ -1,0 +1,144 @@
+"""Compile rows.cpp for this machine once and load it (ctypes).
+
+The library is built on first use with the system's C++ compiler (`c++`/`g++`, or $CXX) for this
+CPU's instruction sets (-march=native: AVX-512 BF16, AVX2 + FMA or portable code, decided by the
+compiler's macros) and cached under the specdecode cache (`native/`, keyed by the source, the
+compiler, the flags and the CPU), so a later start loads it in milliseconds. The build takes about
+3 seconds on 2 cores. Where no compiler exists, `load()` raises NativeUnavailable with the command
+that installs one, and everything else runs on torch's kernels.
+
+Threads. The kernels use OpenMP. They are linked against the OpenMP runtime torch itself loaded
+(where torch ships its own copy), so that torch's operators and these kernels share one pool of
+threads instead of two pools spinning against each other on the same cores.
+
+$SPECDECODE_NATIVE_MARCH replaces "native" in -march (e.g. "haswell" builds the AVX2 path on an
+AVX-512 machine, to measure that class of CPU); $SPECDECODE_NATIVE=0 turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("rows.cpp")
+ISA_NAMES = {2: "avx512-bf16", 1: "avx2-fma", 0: "portable"}
+
+
+class NativeUnavailable(RuntimeError):
+    """The batch-invariant kernels cannot be built or loaded here (the message says why and what to
+    install)."""
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _torch_openmp() -> Path | None:
+    """The OpenMP runtime torch ships in torch/lib (libgomp-<hash>.so.1), if any."""
+    import torch
+
+    lib = Path(torch.__file__).parent / "lib"
+    found = sorted(lib.glob("libgomp*.so*"))
+    return found[0] if found else None
+
+
+def _flags() -> tuple[list[str], list[str]]:
+    """(compile flags, link flags)."""
+    march = os.environ.get("SPECDECODE_NATIVE_MARCH", "native")
+    compile_flags = ["-O3", f"-march={march}", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC",
+                     "-std=c++17"]
+    gomp = _torch_openmp()
+    link = ["-shared"] + ([str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp is not None else ["-fopenmp"])
+    return compile_flags, link
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path() -> Path:
+    """Where this machine's build lives (built or not)."""
+    from specdecode.models.zoo import cache_dir
+
+    compiler = _compiler() or "none"
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout if compiler != "none" \
+        else ""
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, version, repr(_flags()), _cpu_flags()])
+                         .encode()).hexdigest()[:16]
+    return cache_dir() / "native" / f"rows-{key}.so"
+
+
+@functools.cache
+def load() -> ctypes.CDLL:
+    """The compiled kernels (built on first use, then cached on disk).
+
+    Raises:
+        NativeUnavailable: $SPECDECODE_NATIVE=0, no C++ compiler, or a failed build (with the
+            compiler's first error lines).
+    """
+    if os.environ.get("SPECDECODE_NATIVE", "1") == "0":
+        raise NativeUnavailable("the batch-invariant kernels are turned off ($SPECDECODE_NATIVE=0)")
+    compiler = _compiler()
+    if compiler is None:
+        raise NativeUnavailable("no C++ compiler found for the batch-invariant kernels (install one, e.g. "
+                                "'apt-get install g++'; until then torch's kernels run)")
+    path = library_path()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.partial")
+        os.close(fd)
+        compile_flags, link_flags = _flags()
+        done = subprocess.run([compiler, *compile_flags, "-c", str(SOURCE), "-o", tmp + ".o"], capture_output=True,
+                              text=True)
+        if done.returncode == 0:
+            done = subprocess.run([compiler, tmp + ".o", *link_flags, "-o", tmp], capture_output=True, text=True)
+        Path(tmp + ".o").unlink(missing_ok=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            first = "\n".join(done.stderr.strip().splitlines()[:5])
+            raise NativeUnavailable(f"building the batch-invariant kernels failed ({compiler}):\n{first}")
+        os.replace(tmp, path)
+    lib = ctypes.CDLL(str(path))
+    i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.sd_isa.restype = i32
+    lib.sd_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32, i32]
+    lib.sd_rms_norm.argtypes = [ptr, i64, i64, ptr, f32, ptr, i32]
+    lib.sd_silu_mul.argtypes = [ptr, ptr, i64, i64, i64, ptr, i32]
+    lib.sd_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, f32, ptr, i32]
+    for name in ("sd_linear", "sd_rms_norm", "sd_silu_mul", "sd_attention"):
+        getattr(lib, name).restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernels can be built and loaded here (builds them on the first call)."""
+    try:
+        load()
+        return True
+    except NativeUnavailable:
+        return False
+
+
+def isa() -> str:
+    """The instruction set the build uses: "avx512-bf16", "avx2-fma" or "portable".
+
+    Raises:
+        NativeUnavailable: as load().
+    """
+    return ISA_NAMES[load().sd_isa()]

@@ -1,0 +1,442 @@
+// Batch-invariant row kernels for a bfloat16 decoder: y = x·Wᵀ (+ bias), RMSNorm, SiLU-gated
+// products and attention over a KV cache, for any number of rows M.
+//
+// Batch invariance. Every output row is computed by the same sequence of floating-point
+// operations whatever M is, whichever thread computes it and whatever other rows a call holds: a
+// k-token verify rounds exactly as k one-token steps do, so greedy speculative output equals plain
+// greedy output bit for bit (paper §2.3 promises the same distribution; this makes it the same
+// numbers). Concretely:
+//   - linear: y[m, n] is one accumulator over k in a fixed order (16 fp32 lanes, k mod 16 … per
+//     lane, then a fixed horizontal sum); rows are only grouped to reuse each loaded weight vector,
+//     never split or merged; threads split N, never K.
+//   - attention: a query row's keys are the cache slots its mask allows, taken in slot order and
+//     numbered 0, 1, … among themselves, so padding slots and other rows change nothing; the
+//     softmax's sum runs in lanes by that number.
+//   - elementwise work (exp) runs one vector function for every element (tails go through a
+//     padded buffer), so an element's value never depends on where it sits in a call.
+//
+// Memory. The linear kernel reads each weight once per call for up to 16 rows (the verify width):
+// four weight rows are streamed together and each 32-element slice is multiplied into every
+// activation row before the next slice is read, so a 9-row product costs about one row's memory
+// traffic. Weights stay in torch's [N, K] row-major bfloat16 layout: no repacked copy.
+//
+// Instruction sets, chosen when this file is compiled for the machine (specdecode/native/build.py):
+// AVX-512 BF16 (vdpbf16ps), AVX2 + FMA (bfloat16 widened to fp32 exactly), and portable C++.
+// Each gives its own (deterministic) rounding; invariance holds within one.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <algorithm>
+#include <omp.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define SD_ISA 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SD_ISA 1
+#else
+#define SD_ISA 0
+#endif
+
+typedef uint16_t bf16;
+
+// How far ahead (elements) the weight stream is requested, into the outer caches. Measured on an
+// AVX-512 BF16 Zen 4 (2 cores, docs/results/native_kernels.md): 1 KiB ahead into L1 left a 9-row
+// product at 1.7 one-row products; 32 KiB ahead into L2/L3 brings it to 1.1.
+#ifndef SD_PREFETCH
+#define SD_PREFETCH 16384
+#endif
+#ifndef SD_HINT
+#define SD_HINT _MM_HINT_T2
+#endif
+
+static inline float bf16_to_f32(bf16 h) {
+    uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline bf16 f32_to_bf16(float f) {  // round to nearest even, as torch does; NaN stays NaN
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16>((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<bf16>(bits >> 16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// exp: one formula per instruction set, applied to whole vectors (Cody-Waite reduction, degree-6
+// polynomial, ≤ 2 ulp on [-87, 88]; below -87 it is 0, as the softmax and SiLU need).
+#if SD_ISA == 2
+typedef __m512 vfloat;
+static const int VL = 16;
+static inline vfloat vexp(vfloat x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f);
+    __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), y);
+}
+static inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
+static inline vfloat vset(float v) { return _mm512_set1_ps(v); }
+#elif SD_ISA == 1
+typedef __m256 vfloat;
+static const int VL = 8;
+static inline vfloat vexp(vfloat x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(under, y);
+}
+static inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
+static inline vfloat vset(float v) { return _mm256_set1_ps(v); }
+#else
+static const int VL = 1;
+#endif
+
+static float scalar_exp(float x) {  // the portable build's exp (the vector builds never call it)
+    if (x < -87.0f) return 0.0f;
+    x = std::min(x, 88.0f);
+    float n = std::nearbyint(x * 1.44269504088896341f);
+    float r = std::fma(-n, 0.693359375f, x);
+    r = std::fma(-n, -2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = std::fma(p, r, 1.3981999507e-3f);
+    p = std::fma(p, r, 8.3334519073e-3f);
+    p = std::fma(p, r, 4.1665795894e-2f);
+    p = std::fma(p, r, 1.6666665459e-1f);
+    p = std::fma(p, r, 5.0000001201e-1f);
+    p = std::fma(p, r * r, r + 1.0f);
+    return std::ldexp(p, static_cast<int>(n));
+}
+
+// exp of n floats in place; every element goes through the same vector code
+static void exp_inplace(float* v, int64_t n) {
+#if SD_ISA >= 1
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) vstore(v + i, vexp(vload(v + i)));
+    if (i < n) {
+        float buf[VL] = {0};
+        std::memcpy(buf, v + i, (n - i) * sizeof(float));
+        vstore(buf, vexp(vload(buf)));
+        std::memcpy(v + i, buf, (n - i) * sizeof(float));
+    }
+#else
+    for (int64_t i = 0; i < n; ++i) v[i] = scalar_exp(v[i]);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dot products of bfloat16 vectors: the per-(row, output) accumulation the linear kernel and
+// attention's scores share. acc lanes hold k ≡ lane (mod lane count) partial sums.
+#if SD_ISA == 2
+static inline float hsum(__m512 v) {  // fixed order: halves, then quarters, …
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_add_ss(b, _mm_movehdup_ps(b));
+    return _mm_cvtss_f32(b);
+}
+static inline __m512bh load_bh(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+static inline __m512bh load_bh_tail(const bf16* p, int64_t n) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((n >= 32) ? ~0u : ((1u << n) - 1u)), p);
+}
+#elif SD_ISA == 1
+static inline float hsum(__m256 v) {
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_add_ss(b, _mm_movehdup_ps(b));
+    return _mm_cvtss_f32(b);
+}
+static inline __m256 load8(const bf16* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline __m256 load8_tail(const bf16* p, int64_t n) {
+    bf16 buf[8] = {0};
+    std::memcpy(buf, p, std::min<int64_t>(n, 8) * sizeof(bf16));
+    return load8(buf);
+}
+#endif
+
+// y[m0 + i, n0 + j] for i < MG rows and j < NT outputs, reading each weight slice once for all rows
+template <int MG, int NT>
+static void tile(const bf16* x, int64_t ldx, const bf16* w, int64_t K, const float* bias, int64_t m0, int64_t n0,
+                 void* y, int64_t ldy, bool out_f32) {
+    float sums[MG][NT];
+#if SD_ISA == 2
+    __m512 acc[MG][NT];
+    for (int i = 0; i < MG; ++i)
+        for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wv[NT];
+        for (int j = 0; j < NT; ++j) {
+            // the weights stream from memory once: ask for them ahead of the arithmetic
+            _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + j) * K + k + SD_PREFETCH), SD_HINT);
+            wv[j] = load_bh(w + (n0 + j) * K + k);
+        }
+        for (int i = 0; i < MG; ++i) {
+            __m512bh xv = load_bh(x + (m0 + i) * ldx + k);
+            for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    if (k < K) {
+        __m512bh wv[NT];
+        for (int j = 0; j < NT; ++j) wv[j] = load_bh_tail(w + (n0 + j) * K + k, K - k);
+        for (int i = 0; i < MG; ++i) {
+            __m512bh xv = load_bh_tail(x + (m0 + i) * ldx + k, K - k);
+            for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    for (int i = 0; i < MG; ++i)
+        for (int j = 0; j < NT; ++j) sums[i][j] = hsum(acc[i][j]);
+#elif SD_ISA == 1
+    __m256 acc[MG][NT];
+    for (int i = 0; i < MG; ++i)
+        for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv[NT];
+        for (int j = 0; j < NT; ++j) {
+            if ((k & 31) == 0)  // one request per 64-byte line
+                _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + j) * K + k + SD_PREFETCH), SD_HINT);
+            wv[j] = load8(w + (n0 + j) * K + k);
+        }
+        for (int i = 0; i < MG; ++i) {
+            __m256 xv = load8(x + (m0 + i) * ldx + k);
+            for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    if (k < K) {
+        __m256 wv[NT];
+        for (int j = 0; j < NT; ++j) wv[j] = load8_tail(w + (n0 + j) * K + k, K - k);
+        for (int i = 0; i < MG; ++i) {
+            __m256 xv = load8_tail(x + (m0 + i) * ldx + k, K - k);
+            for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < MG; ++i)
+        for (int j = 0; j < NT; ++j) sums[i][j] = hsum(acc[i][j]);
+#else
+    float acc[MG][NT][8];
+    std::memset(acc, 0, sizeof(acc));
+    for (int64_t k = 0; k < K; ++k)
+        for (int i = 0; i < MG; ++i) {
+            float xv = bf16_to_f32(x[(m0 + i) * ldx + k]);
+            for (int j = 0; j < NT; ++j) acc[i][j][k & 7] = std::fma(xv, bf16_to_f32(w[(n0 + j) * K + k]), acc[i][j][k & 7]);
+        }
+    for (int i = 0; i < MG; ++i)
+        for (int j = 0; j < NT; ++j) {
+            float* a = acc[i][j];
+            sums[i][j] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+        }
+#endif
+    for (int i = 0; i < MG; ++i)
+        for (int j = 0; j < NT; ++j) {
+            float v = sums[i][j] + (bias ? bias[n0 + j] : 0.0f);
+            if (out_f32)
+                static_cast<float*>(y)[(m0 + i) * ldy + n0 + j] = v;
+            else
+                static_cast<bf16*>(y)[(m0 + i) * ldy + n0 + j] = f32_to_bf16(v);
+        }
+}
+
+// Rows per tile: the accumulators (rows × NT vectors), NT weight slices and one activation slice
+// fit the register file (32 zmm; 16 ymm for AVX2). A verify's rows go through a few such tiles
+// per four weight rows; the later tiles find those rows in cache.
+#if SD_ISA == 1
+static const int TILE_ROWS = 2;
+#else
+static const int TILE_ROWS = 5;
+#endif
+
+#define SD_TILE_CASE(G) case G: tile<G, NT>(x, ldx, w, K, bias, m, n0, y, ldy, out_f32); break;
+
+// all M rows against weight rows n0 … n0 + NT − 1, TILE_ROWS rows at a time
+template <int NT>
+static void rows_of(const bf16* x, int64_t ldx, int64_t M, const bf16* w, int64_t K, const float* bias, int64_t n0,
+                    void* y, int64_t ldy, bool out_f32) {
+    for (int64_t m = 0; m < M;) {
+        const int g = static_cast<int>(std::min<int64_t>(M - m, TILE_ROWS));
+        switch (g) {
+            SD_TILE_CASE(1) SD_TILE_CASE(2)
+#if SD_ISA != 1
+            SD_TILE_CASE(3) SD_TILE_CASE(4) SD_TILE_CASE(5)
+#endif
+            default: break;
+        }
+        m += g;
+    }
+}
+
+static const int NT = 4;       // weight rows a tile streams together (a thread's unit of work)
+static const int64_t MB = 64;  // rows per pass over the weights (a wide prompt read keeps them in cache)
+
+extern "C" {
+
+int sd_isa() { return SD_ISA; }
+
+// y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]); x rows ldx apart, y rows ldy apart; y bfloat16, or
+// float32 where out_f32 (an LM head's logits).
+void sd_linear(const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* w, int64_t N, const float* bias,
+               void* y, int64_t ldy, int out_f32, int threads) {
+    const int64_t units = (N + NT - 1) / NT;
+    for (int64_t mb = 0; mb < M; mb += MB) {
+        const int64_t rows = std::min(MB, M - mb);
+        const bf16* xb = x + mb * ldx;
+        void* yb = out_f32 ? static_cast<void*>(static_cast<float*>(y) + mb * ldy)
+                           : static_cast<void*>(static_cast<bf16*>(y) + mb * ldy);
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t n0 = u * NT;
+            if (n0 + NT <= N)
+                rows_of<NT>(xb, ldx, rows, w, K, bias, n0, yb, ldy, out_f32);
+            else
+                for (int64_t n = n0; n < N; ++n) rows_of<1>(xb, ldx, rows, w, K, bias, n, yb, ldy, out_f32);
+        }
+    }
+}
+
+// y[m] = bf16(w · bf16(x[m] / sqrt(mean(x[m]²) + eps))), as transformers' RMSNorm rounds
+void sd_rms_norm(const bf16* x, int64_t M, int64_t H, const bf16* w, float eps, bf16* y, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t m = 0; m < M; ++m) {
+        const bf16* row = x + m * H;
+        float lanes[16] = {0};
+        for (int64_t i = 0; i < H; ++i) {
+            float v = bf16_to_f32(row[i]);
+            lanes[i & 15] = std::fma(v, v, lanes[i & 15]);
+        }
+        float total = 0.0f;
+        for (int step = 8; step >= 1; step /= 2)
+            for (int l = 0; l < step; ++l) lanes[l] += lanes[l + step];
+        total = lanes[0];
+        const float inv = 1.0f / std::sqrt(total / static_cast<float>(H) + eps);
+        for (int64_t i = 0; i < H; ++i) {
+            float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(row[i]) * inv));
+            y[m * H + i] = f32_to_bf16(bf16_to_f32(w[i]) * normed);
+        }
+    }
+}
+
+// y[m, i] = bf16(bf16(silu(gate[m, i])) · up[m, i]); gate and up rows ld apart, y [M, I] dense
+void sd_silu_mul(const bf16* gate, const bf16* up, int64_t ld, int64_t M, int64_t I, bf16* y, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> buf(I);
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) {
+            const bf16* g = gate + m * ld;
+            for (int64_t i = 0; i < I; ++i) buf[i] = -bf16_to_f32(g[i]);
+            exp_inplace(buf.data(), I);
+            for (int64_t i = 0; i < I; ++i) {
+                float gi = bf16_to_f32(g[i]);
+                float act = bf16_to_f32(f32_to_bf16(gi / (1.0f + buf[i])));
+                y[m * I + i] = f32_to_bf16(act * bf16_to_f32(up[m * ld + i]));
+            }
+        }
+    }
+}
+
+// Attention of B·T query rows over a KV cache.
+//   q [B, T, Hq, D] bfloat16 (dense); k, v: element (b, h, s, d) at b·kv_b + h·kv_h + s·D + d;
+//   allowed [B, T, S] bytes (1: the query sees that slot), or null: query t sees slots
+//   0 … S − T + t (dense causal rows); out [B, T, Hq, D] bfloat16.
+// A query's visible slots are taken in slot order and numbered among themselves (see the top).
+void sd_attention(const bf16* q, int64_t B, int64_t T, int64_t Hq, int64_t D, const bf16* k, const bf16* v,
+                  int64_t Hkv, int64_t S, int64_t kv_b, int64_t kv_h, const uint8_t* allowed, float scale, bf16* out,
+                  int threads) {
+    const int64_t group = Hq / Hkv;
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<int64_t> slots(S);
+        std::vector<float> p(S + 16), acc(D), qf(D);
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < B * T * Hq; ++item) {
+            const int64_t b = item / (T * Hq), t = (item / Hq) % T, h = item % Hq, kvh = h / group;
+            int64_t n = 0;
+            if (allowed) {
+                const uint8_t* row = allowed + (b * T + t) * S;
+                for (int64_t s = 0; s < S; ++s)
+                    if (row[s]) slots[n++] = s;
+            } else {
+                for (int64_t s = 0; s <= S - T + t; ++s) slots[n++] = s;
+            }
+            const bf16* qrow = q + ((b * T + t) * Hq + h) * D;
+            const bf16* kbase = k + b * kv_b + kvh * kv_h;
+            const bf16* vbase = v + b * kv_b + kvh * kv_h;
+            float best = -INFINITY;
+            for (int64_t c = 0; c < n; ++c) {
+                const bf16* key = kbase + slots[c] * D;
+#if SD_ISA == 2
+                __m512 a = _mm512_setzero_ps();
+                int64_t d = 0;
+                for (; d + 32 <= D; d += 32) a = _mm512_dpbf16_ps(a, load_bh(qrow + d), load_bh(key + d));
+                if (d < D) a = _mm512_dpbf16_ps(a, load_bh_tail(qrow + d, D - d), load_bh_tail(key + d, D - d));
+                float s = hsum(a);
+#elif SD_ISA == 1
+                __m256 a = _mm256_setzero_ps();
+                int64_t d = 0;
+                for (; d + 8 <= D; d += 8) a = _mm256_fmadd_ps(load8(qrow + d), load8(key + d), a);
+                if (d < D) a = _mm256_fmadd_ps(load8_tail(qrow + d, D - d), load8_tail(key + d, D - d), a);
+                float s = hsum(a);
+#else
+                float lanes[8] = {0};
+                for (int64_t d = 0; d < D; ++d)
+                    lanes[d & 7] = std::fma(bf16_to_f32(qrow[d]), bf16_to_f32(key[d]), lanes[d & 7]);
+                float s = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+#endif
+                p[c] = s * scale;
+                best = std::max(best, p[c]);
+            }
+            for (int64_t c = 0; c < n; ++c) p[c] -= best;
+            exp_inplace(p.data(), n);
+            float lanes[16] = {0};
+            for (int64_t c = 0; c < n; ++c) lanes[c & 15] += p[c];
+            for (int step = 8; step >= 1; step /= 2)
+                for (int l = 0; l < step; ++l) lanes[l] += lanes[l + step];
+            const float total = lanes[0];
+            std::fill(acc.begin(), acc.end(), 0.0f);
+            for (int64_t c = 0; c < n; ++c) {
+                const bf16* value = vbase + slots[c] * D;
+                const float weight = p[c];
+                for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(weight, bf16_to_f32(value[d]), acc[d]);
+            }
+            bf16* o = out + ((b * T + t) * Hq + h) * D;
+            for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(acc[d] / total);
+        }
+    }
+}
+
+}  // extern "C"
