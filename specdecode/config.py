@@ -118,6 +118,14 @@ class DecoderConfig:
             the target in its GGUF file's own quantization (a different model, exact with respect
             to itself; the draft and γ are still timed and chosen, plain decoding where no draft
             model pays).
+        batch_invariant: compute every token's logits with the same bits whether the target reads
+            it alone (a plain step), among a verify's k tokens or beside other requests' rows
+            (specdecode.models.invariant): greedy speculative output then equals plain greedy
+            output token for token, and a seeded request gives the same tokens with speculation
+            on or off and whatever runs beside it. "auto" (default): on the CPU for a bfloat16
+            Llama/Qwen2 target on torch where a C++ compiler builds the kernels (dtype="bfloat16"
+            always there; dtype="auto" when they are fastest or within 5% of the fastest); True:
+            always (ValueError where it cannot run); False: never. configuration() says which.
         backend: "auto" (default; dtype decides), "torch", or "llama.cpp" (GGUF files through
             llama-cpp-python; with dtype "auto" or "bfloat16" the target as a BF16 GGUF, with
             "float32" as an F32 GGUF, both converted once by llama.cpp; docs/llamacpp.md).
@@ -146,6 +154,7 @@ class DecoderConfig:
     guard: bool = True
     guard_costs: tuple[float, ...] | None = None
     dtype: DType = "auto"
+    batch_invariant: bool | Literal["auto"] = "auto"
     backend: Backend = "auto"
     device: str | None = None
     device_map: DeviceMap | dict | None = None
@@ -226,6 +235,9 @@ class DecoderConfig:
                              f"got {self.guard_costs!r}")
         if self.max_batch_size is not None and (not _is_int(self.max_batch_size) or self.max_batch_size < 1):
             raise ValueError(f"max_batch_size must be None or an integer >= 1, got {self.max_batch_size!r}")
+        if self.batch_invariant not in (True, False, "auto") or isinstance(self.batch_invariant, int) \
+                and not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True, False or 'auto', got {self.batch_invariant!r}")
         for name in ("guard", "use_generation_config"):
             if not isinstance(getattr(self, name), bool):  # guard="no" would be truthy: on
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -266,6 +278,10 @@ class DecoderConfig:
                                               or (self.draft is not None and not isinstance(self.draft, str))):
             raise ValueError("quantize_draft='gguf' runs the draft's GGUF file on llama.cpp, on the CPU: give the "
                              "draft as a zoo name or a .gguf path, with no device or device_map")
+        if self.batch_invariant is True and (llama or self.dtype not in ("auto", "bfloat16")
+                                             or self.backend == "llama.cpp"):
+            raise ValueError("batch_invariant=True runs the bfloat16 target on torch with specdecode's own kernels: "
+                             "use dtype 'auto' or 'bfloat16' and backend 'auto' or 'torch'")
         if llama and self.tree_width > 1:
             raise ValueError("token trees (tree_width > 1) need a custom attention mask, which the llama.cpp "
                              "backend does not have; use tree_width=1 or backend='torch'")

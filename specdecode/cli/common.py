@@ -95,6 +95,12 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                              "weights, computed by the kernels this machine runs fastest (timed once and cached; one "
                              "line says which); bfloat16, float32, float16, float64: torch in that dtype (float32 "
                              "for bit-exact comparisons); gguf: llama.cpp in the GGUF file's own quantization")
+    parser.add_argument("--batch-invariant", default="auto", choices=("auto", "on", "off"),
+                        help="compute each token's logits with the same bits alone, in a verify or beside other "
+                             "requests (specdecode's own bfloat16 kernels): greedy speculative output equals plain "
+                             "greedy output token for token. auto (default): where those kernels run and, with "
+                             "--dtype auto, are within 5%% of the fastest; on: always (exit 2 where they cannot); "
+                             "off: never")
     parser.add_argument("--backend", default=DEFAULTS.backend, choices=get_args(options.Backend),
                         help="torch or llama.cpp (GGUF files through llama-cpp-python); auto (default): --dtype "
                              "decides")
@@ -119,6 +125,7 @@ def decoder_config(args, parser: argparse.ArgumentParser, **extra) -> DecoderCon
                   tree_confidence=args.tree_confidence, free_drafts=args.free_drafts,
                   draft_vocab_limit="auto" if args.draft_vocab_limit is None else args.draft_vocab_limit,
                   quantize_draft=args.quantize_draft, guard=args.guard, dtype=args.dtype, backend=args.backend,
+                  batch_invariant={"auto": "auto", "on": True, "off": False}[args.batch_invariant],
                   device_map=args.device_map, use_generation_config=not args.ignore_generation_config)
     try:
         return DecoderConfig(**{**fields, **extra}).validate()

@@ -109,6 +109,8 @@ class HFCausalLM:
             arithmetic (float32 accumulation), and on some CPUs the faster one (AVX-512-BF16
             Zen 4: a target step 197 against 281 ms, docs/auto-configuration.md). True (default) leaves
             torch's choice; dtype="auto" times both (specdecode.measure.autoconfig).
+        batch_invariant: whether every forward runs on the batch-invariant kernels
+            (use_invariant_forward; False by default).
         eager_attention: whether the lean forward's narrow calls (a draft step, a short catch-up)
             use eager attention, as a prepared draft asks; set False for SDPA, which some CPUs
             run faster even for one query row (dtype="auto" times both). False without a lean
@@ -131,11 +133,30 @@ class HFCausalLM:
         self.device = model.get_input_embeddings().weight.device
         self.compact_min_dead, self.compact_ratio = compact_min_dead, compact_ratio
         self.one_row_onednn = True
+        self.batch_invariant = False  # use_invariant_forward() sets it
         # a draft's forward without transformers' per-module overhead (models/lean.py), where it
         # reproduces the model; a target keeps transformers' own
         self._lean = lean_decoder.LeanDecoder(model) if lean and not self.sliding and lean_decoder.supports(model) \
             else None
         self.reset()
+
+    def use_invariant_forward(self, share: bool = False) -> None:
+        """Run every forward (prompt reads, verifies, steps, prompt scoring) and the LM head on the
+        batch-invariant kernels (models/invariant.py): a token's logits are then the same bits
+        whatever else a call holds. share: the model's fused weights become views (a model this
+        process loaded).
+
+        Raises:
+            ValueError: a model the invariant forward does not cover (see invariant.usable), or a
+                vocab_limit.  specdecode.native.NativeUnavailable: no kernels on this machine.
+        """
+        from specdecode.models.invariant import InvariantDecoder
+
+        if self._head is not None or self.sliding:
+            raise ValueError("the batch-invariant forward scores the whole vocabulary with full attention")
+        self._lean = InvariantDecoder(self.model, share)
+        self._head = self._lean.head
+        self.batch_invariant = True
 
     @property
     def eager_attention(self) -> bool:
@@ -251,6 +272,12 @@ class HFCausalLM:
         head per chunk of SCORE_CHUNK positions, so a long prompt never holds len(ids) × V
         floats; other models give one chunk (their forward may transform the logits)."""
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
+        if self.batch_invariant:  # the same bits as the same tokens read by forward()
+            hidden = self._lean(tokens, None, torch.arange(len(ids), device=self.device)[None],
+                                self._new_cache())[0]
+            for start in range(0, len(ids), self.SCORE_CHUNK):
+                yield self._head(hidden[start:start + self.SCORE_CHUNK])
+            return
         if not lean_decoder.supports(self.model):
             yield self.model(input_ids=tokens, use_cache=False).logits[0, :, :self.vocab_size].float().to(self.device)
             return

@@ -119,6 +119,7 @@ class TargetKernel(str, Enum):
 
     BFLOAT16 = "bfloat16"              # torch bfloat16 (oneDNN where torch picks it)
     BFLOAT16_GEMV = "bfloat16-gemv"    # the same, one-row calls on torch's own matrix-vector kernels
+    BFLOAT16_INVARIANT = "bfloat16-invariant"  # bfloat16 on specdecode.native's batch-invariant kernels
     FLOAT32_PACKED = "float32-packed"  # float32; Llama/Qwen2 Linears prepacked for oneDNN where possible
     FLOAT16 = "float16"
     FLOAT64 = "float64"
@@ -133,9 +134,15 @@ class TargetKernel(str, Enum):
     @property
     def dtype(self) -> torch.dtype | None:
         """The torch dtype of the numbers (the GGUF file's own quantization: None)."""
-        return {"bfloat16": torch.bfloat16, "bfloat16-gemv": torch.bfloat16, "float32-packed": torch.float32,
+        return {"bfloat16": torch.bfloat16, "bfloat16-gemv": torch.bfloat16, "bfloat16-invariant": torch.bfloat16,
+                "float32-packed": torch.float32,
                 "float16": torch.float16, "float64": torch.float64, "llama.cpp-bf16": torch.bfloat16,
                 "llama.cpp-f32": torch.float32, "llama.cpp-gguf": None}[self.value]
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a token's logits are the same bits whatever else its forward holds (models/invariant.py)."""
+        return self is TargetKernel.BFLOAT16_INVARIANT
 
     @classmethod
     def of(cls, dtype: str, backend: str) -> "TargetKernel":

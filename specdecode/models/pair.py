@@ -20,6 +20,7 @@ from specdecode.config import QUANTIZATION_BITS, DecoderConfig
 from specdecode.models import packed, zoo
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.kernels import TargetKernel
+from specdecode.models.invariant import usable as invariant_usable
 from specdecode.models.lean import supports as lean_supports
 from specdecode.models.llamacpp import LlamaCppLM
 from specdecode.models.loading import check_model_spec, eos_token_ids, gguf_source, load_model, parse_device
@@ -160,6 +161,9 @@ class Pair:
             # a model object is the user's, and a device_map's layers may sit on other devices or disk
             self._apply_target_kernel(plan, own=isinstance(target, str) and config.device_map is None,
                                       gamma=config.num_speculative_tokens)
+        if config.batch_invariant is True and not getattr(self.target.backend, "batch_invariant", False):
+            raise ValueError(f"batch_invariant=True: the batch-invariant kernels run bfloat16 Llama/Qwen2 "
+                             f"targets on the CPU; {self.target.name!r} is not one (pass batch_invariant='auto')")
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -179,6 +183,13 @@ class Pair:
             # float32 targets we loaded (Llama/Qwen2 family) get packed weights: the same IEEE
             # float32 products without the BLAS library's jump from one row to two
             packed.pack_linears(backend.model, gamma + 1)
+        if plan.target_kernel is TargetKernel.BFLOAT16_INVARIANT:
+            # the plan asks for it where the kernels build (specdecode.tune); the model's kind is
+            # known only now (another kind keeps torch's bfloat16). A model object is the user's:
+            # its weights are copied, not shared.
+            if self.device.type == "cpu" and invariant_usable(backend.model):
+                backend.use_invariant_forward(share=own)
+                return
         backend.one_row_onednn = plan.target_kernel is not TargetKernel.BFLOAT16_GEMV
         if plan.upcast_wide_reads and self.dtype == torch.bfloat16 and own:
             packed.upcast_wide_linears(backend.model)  # prompt reads as float32 products of the same values

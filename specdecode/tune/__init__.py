@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from specdecode import native
 from specdecode.config import DEFAULT_DRAFT_QUANTIZATION, LLAMA_MAX_ROWS, QUANTIZATION_BITS, DecoderConfig
 from specdecode.models import llamacpp, packed, zoo
 from specdecode.models.loading import gguf_source, is_gguf, load_model, parse_device
@@ -66,6 +67,8 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None) -
                              "(pass backend='torch' and a torch dtype for a transformers directory)")
     quantization = _quantization(config)
     kernel = TargetKernel.of(config.dtype, config.backend)
+    if kernel is TargetKernel.BFLOAT16 and config.dtype == "bfloat16" and _invariant_candidate(config, device):
+        kernel = TargetKernel.BFLOAT16_INVARIANT
     draft_kernel = "llama.cpp" if quantization == "gguf" else _name(kernel.dtype) if kernel.dtype else "bfloat16"
     static = Plan(LoadPlan(kernel, None if draft is None else quantization, draft_kernel, max_rows=_rows(config)),
                   config.num_speculative_tokens, config.free_drafts_rule)
@@ -103,6 +106,19 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None) -
                 choice)
 
 
+def _invariant_candidate(config: DecoderConfig, device) -> bool:
+    """Whether the batch-invariant kernels may run the target: asked for or left to "auto", a
+    torch target on the CPU, and kernels that build here (specdecode.native; the model's kind is
+    checked once it is loaded)."""
+    if config.batch_invariant is False or config.uses_llama_cpp or config.backend == "llama.cpp" \
+            or device.type != "cpu" or config.device_map is not None:
+        return False
+    if config.batch_invariant is True:
+        native.load()  # raises NativeUnavailable, which says what to install
+        return True
+    return native.available()
+
+
 def _quantization(config: DecoderConfig) -> str:
     """quantize_draft with "auto" resolved for a plan without measuring: on the CPU, a llama.cpp
     target's draft on llama.cpp too where it has a GGUF file, else int4; "none" elsewhere."""
@@ -138,10 +154,13 @@ def candidates_of(config: DecoderConfig, quantization: str) -> tuple[tuple[str, 
         targets = (TargetKernel.LLAMA_GGUF.value,)
     else:
         torch_kernels = ("bfloat16", "float32-packed") if config.backend != "llama.cpp" else ()
+        if _invariant_candidate(config, parse_device(config.device)):
+            torch_kernels = (TargetKernel.BFLOAT16_INVARIANT.value,) if config.batch_invariant is True \
+                else torch_kernels + (TargetKernel.BFLOAT16_INVARIANT.value,)
         # token trees need a custom attention mask, which llama.cpp's API lacks
         llama_kernels = (TargetKernel.LLAMA_BF16.value,) if llama and has_gguf(target) and config.tree_width == 1 \
             and config.backend != "torch" else ()
-        targets = torch_kernels + llama_kernels
+        targets = torch_kernels + (llama_kernels if config.batch_invariant is not True else ())
     kinds = () if draft is None else (quantization,) if config.quantize_draft != "auto" \
         or not isinstance(draft, str) else ("int4", "int8", "none") + (("gguf",) if llama and has_gguf(draft) else ())
     return targets, kinds

@@ -38,6 +38,7 @@ DRAFT_SIZES = (1, 64)  # a draft step and the draft's prompt read
 # bfloat16 stays (as for tiny test models).
 AUTO_MIN_PARAMETERS = 100_000_000
 QUANTIZED_KINDS = ("int4", "int8")
+INVARIANT = "bfloat16-invariant"
 
 Progress = Callable[[str], None] | None
 
@@ -110,21 +111,33 @@ def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: 
     """
     say = progress or (lambda message: None)
     costs, bf16_bytes, context = {}, None, None
-    if "bfloat16" in targets:
+    bf16_kernels = [k for k in ("bfloat16", INVARIANT) if k in targets]
+    if bf16_kernels:
         model = loaders.target(torch.bfloat16)
         if model is None or model.num_parameters() < AUTO_MIN_PARAMETERS:
             return None
         say("timing this machine's kernels for the target and the draft (once per machine and pair; cached)")
         context = _context(model.get_input_embeddings().num_embeddings)
         bf16_bytes = _parameter_bytes(model)
-        say("timing the bfloat16 target")
-        backends = {"bfloat16": loaders.backend(model, False), "bfloat16-gemv": loaders.backend(model, False)}
-        backends["bfloat16-gemv"].one_row_onednn = False
+        say(f"timing the bfloat16 target ({', '.join(bf16_kernels)})")
+        backends, sizes = {}, {}
+        if "bfloat16" in targets:
+            backends = {"bfloat16": loaders.backend(model, False), "bfloat16-gemv": loaders.backend(model, False)}
+            backends["bfloat16-gemv"].one_row_onednn = False
+            sizes = {"bfloat16": SIZES, "bfloat16-gemv": (1,)}
+        if INVARIANT in targets:
+            invariant = loaders.backend(model, False)
+            try:  # the model's fused weights become views: the other kernels read the same memory
+                invariant.use_invariant_forward(share=True)
+                backends[INVARIANT], sizes[INVARIANT] = invariant, SIZES
+            except (ValueError, RuntimeError) as err:  # another kind of model, or no kernels
+                say(f"batch-invariant kernels not timed: {err}")
         with torch.inference_mode():
-            times = time_interleaved(backends, context, {"bfloat16": SIZES, "bfloat16-gemv": (1,)})
+            times = time_interleaved(backends, context, sizes)
         del backends, model
         _release()
-        times["bfloat16-gemv"] = {**times["bfloat16"], 1: times["bfloat16-gemv"][1]}
+        if "bfloat16-gemv" in times:
+            times["bfloat16-gemv"] = {**times["bfloat16"], 1: times["bfloat16-gemv"][1]}
         costs.update({kernel: _target_cost(t) for kernel, t in times.items()})
     for kernel in (k for k in targets if k.startswith("llama.cpp")):
         say(f"timing the target on llama.cpp ({kernel})")

@@ -51,6 +51,15 @@ LOW_ALPHA = 0.6
 # loop, the draft's prompt read at a row's second step). The llama.cpp Q4_K_M target with the int4
 # draft was rated 1.07x plain and measured 0.96x on HumanEval (docs/results/vs_llamacpp_plain_floor.md).
 MARGIN = 0.10
+# A batch-invariant target kernel (its verify and its plain step round alike, so speculative output
+# equals plain output bit for bit: specdecode.models.invariant) is taken over faster ones that
+# score less than this fraction above it.
+INVARIANT_TOLERANCE = 0.05
+
+
+def is_invariant(kernel: str) -> bool:
+    """Whether a target kernel's name says it is batch-invariant (TargetKernel.batch_invariant)."""
+    return kernel.endswith("-invariant")
 
 
 @dataclass(frozen=True)
@@ -168,9 +177,10 @@ def choose(targets: dict[str, TargetCost], drafts: dict[tuple[str, str], DraftCo
 
     plain = {kernel: request_rate(cost.read_s_per_token, 1 / cost.step_s) for kernel, cost in targets.items()}
     plain_kernel = max(plain, key=plain.get)
-    best = Choice(plain_kernel, None, None, 0, plain[plain_kernel], plain[plain_kernel], alpha=alpha,
-                  low_alpha=low_alpha, draft_timed=bool(drafts))
-    best_score = (1 + MARGIN) * plain[plain_kernel]
+    # (score, Choice) of the best configuration overall and of the best on an invariant kernel
+    scored = [((1 + MARGIN) * plain[kernel], Choice(kernel, None, None, 0, plain[kernel], plain[plain_kernel],
+                                                    alpha=alpha, low_alpha=low_alpha, draft_timed=bool(drafts)))
+              for kernel in targets]
     for kernel, cost in targets.items():
         for (draft_kernel, draft_dtype), draft in drafts.items():
             read = cost.read_s_per_token + draft.read_s_per_token
@@ -185,8 +195,14 @@ def choose(targets: dict[str, TargetCost], drafts: dict[tuple[str, str], DraftCo
             top = max(rates.values())
             gamma = max(g for g, r in rates.items() if r >= (1 - GAMMA_TOLERANCE) * top)
             score = math.sqrt(rates[gamma] * max(rate(low_alpha, g) for g in range(1, gamma + 1)))
-            if score > best_score:
-                best_score = score
-                best = Choice(kernel, draft_kernel, draft_dtype, gamma, rate(alpha, gamma), best.plain_rate,
-                              draft.step_s / cost.step_s, cost.ratio(gamma + 1), alpha, low_alpha)
+            scored.append((score, Choice(kernel, draft_kernel, draft_dtype, gamma, rate(alpha, gamma),
+                                         plain[plain_kernel], draft.step_s / cost.step_s, cost.ratio(gamma + 1),
+                                         alpha, low_alpha)))
+    # the first of equal scores wins: plain decoding before speculation, kernels in the order given
+    best_score, best = max(scored, key=lambda pair: pair[0])
+    invariant = [pair for pair in scored if is_invariant(pair[1].target_kernel)]
+    if invariant:
+        score, choice = max(invariant, key=lambda pair: pair[0])
+        if score >= (1 - INVARIANT_TOLERANCE) * best_score:
+            return choice
     return best

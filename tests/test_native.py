@@ -1,0 +1,177 @@
+"""specdecode.native's batch-invariant kernels: each against a float64 reference (within bfloat16
+output rounding), and each row bit for bit the same whatever else the call holds (every row count
+1..16 and a prompt-sized call, other rows, padding slots, one thread or two). The invariance check
+itself must fail a kernel whose rounding depends on the row count (the negative control). The
+slow tests rerun the file with the AVX2 and portable builds."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdecode import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler for specdecode.native")
+
+ROWS = list(range(1, 17)) + [70]
+SHAPES = [(40, 7), (96, 5), (64, 1), (256, 33), (1536, 12)]  # (K, N): K tails of the 32-wide steps, N tails of 4
+
+
+def bf16(*shape, seed=0, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16()
+
+
+def rows_alone(fn, x):
+    """fn applied to each row of x alone, stacked."""
+    return torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
+
+
+def assert_row_invariant(fn, x):
+    """fn(x) equals fn on each row alone, bit for bit."""
+    assert torch.equal(fn(x), rows_alone(fn, x))
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_float64_and_every_row_count_rounds_alike(k, n, bias):
+    weight = bf16(n, k, seed=1)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(2)) if bias else None
+    x = bf16(max(ROWS), k, seed=3)
+    alone = rows_alone(lambda r: native.linear(r, weight, b), x)
+    reference = x.double() @ weight.double().T + (b.double() if bias else 0)
+    bound = x.double().abs() @ weight.double().abs().T
+    for m in ROWS:
+        y = native.linear(x[:m], weight, b)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        assert torch.equal(y, alone[:m]), f"{m} rows round differently from one"
+        # bfloat16 output rounding (2^-8 relative) plus float32 accumulation
+        assert bool(((y.double() - reference[:m]).abs() <= 2 ** -8 * reference[:m].abs() + 1e-5 * bound[:m] + 1e-6).all())
+
+
+def test_linear_float32_logits_and_strided_rows():
+    weight = bf16(50, 96, seed=4)
+    x = bf16(9, 2, 96, seed=5)
+    y = native.linear(x, weight, out_float32=True)
+    assert y.dtype == torch.float32 and y.shape == (9, 2, 50)
+    reference = x.double() @ weight.double().T
+    torch.testing.assert_close(y.double(), reference, atol=1e-4, rtol=1e-5)
+    wide = bf16(9, 200, seed=6)
+    assert torch.equal(native.linear(wide[:, 40:136], weight), native.linear(wide[:, 40:136].contiguous(), weight))
+
+
+def test_linear_same_with_one_thread_or_two():
+    weight, x = bf16(37, 256, seed=7), bf16(9, 256, seed=8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.linear(x, weight)
+        torch.set_num_threads(2)
+        two = native.linear(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_invariance_check_fails_a_row_count_dependent_kernel():
+    """The negative control: a float32 product whose summation splits K when it holds several rows
+    (as a GEMM's blocking may) is caught by the same check the kernels pass."""
+    weight, x = bf16(64, 1536, seed=9).float(), bf16(9, 1536, seed=10).float()
+
+    def blocked(rows):
+        if rows.shape[0] == 1:
+            return rows @ weight.T
+        return rows[:, :768] @ weight[:, :768].T + rows[:, 768:] @ weight[:, 768:].T
+
+    with pytest.raises(AssertionError):
+        assert_row_invariant(blocked, x)
+
+
+def reference_rms_norm(x, weight, eps):
+    normed = x.float() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps).float()
+    return (weight.float() * normed.bfloat16().float()).bfloat16()
+
+
+@pytest.mark.parametrize("hidden", [64, 100, 1536])
+def test_rms_norm_matches_transformers_rounding_within_one_step(hidden):
+    weight, x = bf16(hidden, seed=11), bf16(17, hidden, seed=12, scale=3.0)
+    y = native.rms_norm(x, weight, 1e-6)
+    reference = reference_rms_norm(x, weight, 1e-6)
+    # the mean of squares may differ in its last float32 bit: at most two bfloat16 steps apart
+    assert bool(((y.float() - reference.float()).abs() <= 2 ** -6 * reference.float().abs() + 1e-30).all())
+    assert_row_invariant(lambda r: native.rms_norm(r, weight, 1e-6), x)
+
+
+@pytest.mark.parametrize("inner", [7, 64, 8960])
+def test_silu_mul_matches_float64_and_rounds_each_element_alone(inner):
+    gate_up = bf16(11, 2 * inner, seed=13, scale=4.0)
+    y = native.silu_mul(gate_up)
+    gate, up = gate_up[:, :inner].double(), gate_up[:, inner:].double()
+    reference = (gate * torch.sigmoid(gate)).bfloat16().double() * up
+    assert bool(((y.double() - reference).abs() <= 2 ** -7 * reference.abs() + 1e-30).all())
+    assert_row_invariant(native.silu_mul, gate_up)
+
+
+def reference_attention(q, k, v, allowed, scale):
+    """float64 softmax attention: q [B, T, Hq, D], k/v [B, Hkv, S, D], allowed [B, T, S]."""
+    group = q.shape[2] // k.shape[1]
+    keys = k.double().repeat_interleave(group, 1)            # [B, Hq, S, D]
+    values = v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("bthd,bhsd->bths", q.double(), keys) * scale
+    scores = scores.masked_fill(~allowed[:, :, None, :], float("-inf"))
+    return torch.einsum("bths,bhsd->bthd", scores.softmax(-1), values)
+
+
+def causal(batch, width, slots):
+    return (torch.arange(slots)[None, :] <= torch.arange(slots - width, slots)[:, None]).expand(batch, width, slots)
+
+
+@pytest.mark.parametrize("dim", [16, 40, 128])
+def test_attention_matches_float64_with_masks_and_grouped_heads(dim):
+    batch, width, slots, heads, kv_heads = 2, 5, 23, 6, 2
+    q = bf16(batch, width, heads, dim, seed=14)
+    k, v = bf16(batch, kv_heads, slots, dim, seed=15), bf16(batch, kv_heads, slots, dim, seed=16)
+    allowed = causal(batch, width, slots).clone()
+    allowed[1, :, :7] = False                                  # row 1's padding slots
+    allowed[0, 2, 10] = False                                  # a hole (a rejected tree node)
+    out = native.attention(q, k, v, allowed, dim ** -0.5)
+    reference = reference_attention(q, k, v, allowed, dim ** -0.5)
+    torch.testing.assert_close(out.double(), reference, atol=2e-2, rtol=2 ** -7)
+    dense = native.attention(q, k, v, None, dim ** -0.5)       # None: dense causal rows
+    assert torch.equal(dense, native.attention(q, k, v, causal(batch, width, slots), dim ** -0.5))
+
+
+def test_attention_row_depends_only_on_the_slots_it_sees():
+    """A query gives the same bits alone (one query, cache up to it), among other queries, with
+    padding slots spliced in before its keys, and beside another batch row."""
+    dim, slots, width = 128, 40, 9
+    q = bf16(1, width, 12, dim, seed=17)
+    k, v = bf16(1, 2, slots, dim, seed=18), bf16(1, 2, slots, dim, seed=19)
+    together = native.attention(q, k, v, None, dim ** -0.5)
+    for t in range(width):
+        visible = slots - width + t + 1
+        alone = native.attention(q[:, t:t + 1], k[:, :, :visible], v[:, :, :visible], None, dim ** -0.5)
+        assert torch.equal(alone[:, 0], together[:, t])
+    pad = 13
+    padded_k = torch.cat([bf16(1, 2, pad, dim, seed=20), k], 2)
+    padded_v = torch.cat([bf16(1, 2, pad, dim, seed=21), v], 2)
+    allowed = causal(1, width, slots + pad).clone()
+    allowed[:, :, :pad] = False
+    assert torch.equal(native.attention(q, padded_k, padded_v, allowed, dim ** -0.5), together)
+    other = bf16(1, width, 12, dim, seed=22)
+    pair = native.attention(torch.cat([q, other]), torch.cat([k, k.flip(2)]), torch.cat([v, v.flip(2)]), None,
+                            dim ** -0.5)
+    assert torch.equal(pair[:1], together)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march,isa", [("haswell", "avx2-fma"), ("x86-64", "portable")])
+def test_other_instruction_sets_pass_the_same_checks(march, isa, tmp_path):
+    env = {**os.environ, "SPECDECODE_NATIVE_MARCH": march, "SPECDECODE_CACHE": str(tmp_path)}
+    check = subprocess.run([sys.executable, "-c", "from specdecode import native; print(native.isa())"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert check.stdout.strip() == isa, check.stderr
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-m", "not slow"],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(__file__))
+    assert run.returncode == 0, run.stdout[-3000:]
