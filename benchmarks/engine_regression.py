@@ -1,4 +1,4 @@
-"""The engine against the two loops it replaced, side by side in one process (issue 10's "no speed
+"""The engine against the two loops it replaced, side by side in one process (the "no speed
 regression" check). The old code is the commit before the engine (5c37114), copied as a package
 named `specdecode_old`:
 

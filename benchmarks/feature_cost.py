@@ -1,4 +1,4 @@
-"""What logprobs, a penalty and a JSON schema cost, plain and speculative (issue 12, item 7).
+"""What logprobs, a penalty and a JSON schema cost, plain and speculative.
 
 On HumanEval prompts, greedy, with the default pair: for each feature (none, logprobs=5,
 repetition_penalty=1.1, presence+frequency penalties, a JSON schema) it decodes every prompt with
@@ -76,7 +76,7 @@ def main() -> None:
     print(table)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
-            f.write("# Cost of logprobs, penalties and a JSON schema (issue 12)\n\n" + table + "\n\n"
+            f.write("# Cost of logprobs, penalties and a JSON schema\n\n" + table + "\n\n"
                     f"Command: `python benchmarks/feature_cost.py --prompts {args.prompts} --new-tokens "
                     f"{args.new_tokens} --dtype {args.dtype} --out {args.out}`\n")
 

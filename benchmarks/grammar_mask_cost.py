@@ -1,4 +1,4 @@
-"""Per-token cost of a grammar engine's token mask with the default pair's tokenizer (issue 12).
+"""Per-token cost of a grammar engine's token mask with the default pair's tokenizer.
 
 Walks a fixed JSON document (tokenized by the Qwen tokenizer) through a JSON-schema matcher of
 xgrammar and of llguidance, filling the next-token mask before every token, and prints the mean

@@ -1,5 +1,5 @@
 """`specdecode batch` on Ray Data (1 worker) against the local `specdecode batch`, side by side
-(issue 14's goal: the Ray run within 10% of the local run's tokens/s).
+(the goal: the Ray run within 10% of the local run's tokens/s).
 
 The same input (the first --prompts HumanEval prompts, raw, greedy, --max-tokens tokens each) is
 decoded by the two commands as a user runs them, alternately, --repeats times each, each run into

@@ -5,13 +5,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 step() { echo "== $(date -u +%H:%M:%S) $*" >&2; "$@" > /dev/null; }
 
-# Server under load: speculative vs --draft none at concurrency 1, 2, 4, 8 (issue 11).
+# Server under load: speculative vs --draft none at concurrency 1, 2, 4, 8.
 step python benchmarks/serve_load.py --max-tokens 128 --requests-per-client 4 --out docs/results/serve_load
 # HumanEval greedy with the defaults, token trees of width 2 and 3, and transformers assisted
-# generation given our int4 draft object (issue 13).
+# generation given our int4 draft object.
 step specdecode bench --tasks code --prompts 10 --new-tokens 128 --repeats 1 --gammas --headline \
     --tree-widths 2 3 --hf-draft ours --hf-assisted heuristic@ours --out docs/results/bench_round2_code_t0 --quiet
-# Exact sampling at temperature 1: token-wise against block verification, and a tree (issue 13).
+# Exact sampling at temperature 1: token-wise against block verification, and a tree.
 step specdecode bench --tasks code --prompts 6 --new-tokens 128 --repeats 1 --gammas --headline --temperature 1 \
     --compare-verification --tree-widths 2 --hf-assisted none --out docs/results/bench_round2_code_t1 --quiet
 # The issue-13 goals on the prompt counts they name: HumanEval greedy, 20 prompts, the defaults, a
@@ -30,7 +30,7 @@ step specdecode bench --tasks code --prompts 4 --new-tokens 128 --repeats 1 --ga
 step python benchmarks/lean_draft.py --out docs/results/lean_draft
 step specdecode bench --tasks code --prompts 20 --new-tokens 128 --repeats 1 --gammas --headline \
     --hf-draft ours --hf-assisted heuristic@ours --out docs/results/bench_code_t0_20_lean --quiet
-# Ray Data (1 worker) against the local `specdecode batch`, 40 HumanEval prompts x 64 tokens (issue 14).
+# Ray Data (1 worker) against the local `specdecode batch`, 40 HumanEval prompts x 64 tokens.
 step python benchmarks/ray_batch.py --prompts 40 --max-tokens 64 --repeats 3 --out docs/results/ray_batch
-# What logprobs, penalties and a JSON schema cost under speculation (issue 12).
+# What logprobs, penalties and a JSON schema cost under speculation.
 step python benchmarks/feature_cost.py --prompts 5 --new-tokens 64 --out docs/results/feature_cost.md

@@ -1,5 +1,5 @@
 """Load on `specdecode serve`: N concurrent streaming clients on 127.0.0.1, speculative against
-`--draft none`, the same prompts, one server at a time (issue 11's benchmark).
+`--draft none`, the same prompts, one server at a time.
 
 For each concurrency c, c client threads each send `--requests-per-client` streaming completions
 (HumanEval prompts, raw, greedy, `--max-tokens` tokens) one after another. Measured on the client

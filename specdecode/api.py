@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import weakref
 from typing import Callable, Iterator
 
@@ -71,6 +72,20 @@ class GenerationStream:
             self._driver.abort(self._request_id)
 
 
+_logger = logging.getLogger("specdecode")
+
+
+def _log_progress(message: str) -> None:
+    """The default progress: the "specdecode" logger at INFO, shown on stderr where the application
+    set up no logging (a first start assembles and times for minutes: a silent one looks hung)."""
+    if not logging.getLogger().handlers and not _logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("specdecode: %(message)s"))
+        _logger.addHandler(handler)
+        _logger.setLevel(logging.INFO)
+    _logger.info(message)
+
+
 class SpeculativeDecoder:
     """Exact speculative decoding of a target model with a draft model (paper Algorithm 1).
 
@@ -82,7 +97,9 @@ class SpeculativeDecoder:
             (config.is_encoder_decoder: T5, flan-t5, BART; paper §4.1) needs an encoder–decoder
             draft (specdecode.models.Seq2SeqLM).
         tokenizer: the tokenizer for a target given as a loaded model.
-        progress: called with one-line messages while models are assembled, timed and loaded.
+        progress: called with one-line messages while models are assembled, timed and loaded;
+            None (default) logs them at INFO on the "specdecode" logger, which writes them to
+            stderr while the application has configured no logging of its own.
         **options: any other field of specdecode.config.DecoderConfig, which documents each
             (num_speculative_tokens, draft_confidence, gamma_schedule, verification, tree_width,
             tree_confidence, free_drafts, draft_vocab_limit, quantize_draft, guard, guard_costs,
@@ -115,6 +132,7 @@ class SpeculativeDecoder:
         return decoder
 
     def _build(self, config: DecoderConfig, tokenizer, progress) -> None:
+        progress = progress or _log_progress
         self.decoder_config = config
         check_specs(config)  # both models findable, before anything is timed or loaded
         draft_tokenizer = load_tokenizer(config.draft_tokenizer) if isinstance(config.draft_tokenizer, str) \
@@ -133,11 +151,16 @@ class SpeculativeDecoder:
         # free drafts alone are guarded too: they cost no forward, but each verified draft costs
         # its share of a wider target call (a Q4_K_M target on llama.cpp: r(5) = 1.8)
         if config.guard and (self.draft is not None or self.free_drafts):
-            if config.guard_costs is None and progress:
-                progress("measuring c (draft step / target step) and the verify costs r(2), r(γ+1) for the guard")
-            self.guard_costs = tuple(config.guard_costs) if config.guard_costs is not None else tune.guard_costs(
-                self.target.backend, self.draft.backend if self.draft is not None else None,
-                self.num_speculative_tokens, self.is_encoder_decoder)
+            # given, else from the choice's own timings, else timed now (a few forwards)
+            self.guard_costs = tuple(config.guard_costs) if config.guard_costs is not None else \
+                self.choice.guard_costs() if self.choice is not None and self.draft is not None else None
+            if self.guard_costs is None:
+                if progress:
+                    progress("measuring c (draft step / target step) and the verify costs r(2), r(γ+1) for the "
+                             "guard (a few forwards; --no-guard skips it)")
+                self.guard_costs = tune.guard_costs(self.target.backend,
+                                                    self.draft.backend if self.draft is not None else None,
+                                                    self.num_speculative_tokens, self.is_encoder_decoder)
         # the request path's own tokenizer: requests are built in other threads than the engine's
         self.requests = RequestBuilder(copy.deepcopy(self.tokenizer), self.target.backend, self.eos_token_ids,
                                        decoder=config, num_speculative_tokens=self.num_speculative_tokens,
@@ -170,7 +193,9 @@ class SpeculativeDecoder:
         exact), "num_speculative_tokens": γ_max (0 without drafts), "free_drafts", "machine": this
         CPU (specdecode.tune.hardware.cpu_report), "choice": why dtype="auto" chose it (None
         when the dtype was given, the target was a model object, or it was too small to time),
-        "draft_vocabulary": the shared vocabulary of a draft of another family, or None}."""
+        "draft_vocabulary": the shared vocabulary of a draft of another family, or None,
+        "batch_invariant": whether each token's logits are the same bits alone, in a verify or
+        beside other rows (DecoderConfig.batch_invariant)}."""
         choice, kernel = self.choice, self.plan.load.target_kernel
         return {"dtype": str(self.dtype).removeprefix("torch.") if self.dtype is not None else "gguf",
                 "backend": kernel.backend, "target_kernel": kernel.value, "target_weights": self.target.weights,
@@ -180,6 +205,7 @@ class SpeculativeDecoder:
                 "num_speculative_tokens": self.num_speculative_tokens if self.draft is not None or self.free_drafts
                 else 0,
                 "free_drafts": self.free_drafts,
+                "batch_invariant": bool(getattr(self.target.backend, "batch_invariant", False)),
                 "machine": cpu_report(),
                 "choice": None if choice is None else {"summary": choice.describe(), "measured": list(choice.notes)},
                 "draft_vocabulary": None if not self.cross_vocab else {

@@ -12,6 +12,7 @@ verification, is `check_lenience`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -230,8 +231,8 @@ class DecoderConfig:
                              f"got {self.draft_vocab_limit!r}")
         if self.guard_costs is not None and (
                 not isinstance(self.guard_costs, (tuple, list)) or len(self.guard_costs) not in (2, 3)
-                or not all(_is_number(x) and x >= 0 for x in self.guard_costs)):
-            raise ValueError(f"guard_costs must be two or three numbers >= 0 (c, slope[, base]), "
+                or not all(_is_number(x) and math.isfinite(x) and x >= 0 for x in self.guard_costs)):
+            raise ValueError(f"guard_costs must be two or three finite numbers >= 0 (c, slope[, base]), "
                              f"got {self.guard_costs!r}")
         if self.max_batch_size is not None and (not _is_int(self.max_batch_size) or self.max_batch_size < 1):
             raise ValueError(f"max_batch_size must be None or an integer >= 1, got {self.max_batch_size!r}")

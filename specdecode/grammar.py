@@ -1,5 +1,5 @@
 """Grammar-constrained output: JSON schema, any JSON, a regex or an EBNF grammar, as a token mask
-on p and q (DESIGN.md rule 9), with xgrammar as the engine.
+on p and q (docs/exactness.md rule 9), with xgrammar as the engine.
 
 Why xgrammar (benchmarks/grammar_mask_cost.py, Qwen tokenizer, this CPU): its next-token mask
 took a median of ~4 µs per token against llguidance's ~12 µs, and building the tokenizer and

@@ -1,5 +1,5 @@
 """Per-request logits transforms that depend on the prefix: penalties, user logits processors and
-grammar masks (DESIGN.md rule 9).
+grammar masks (docs/exactness.md rule 9).
 
 A request's `LogitsPipeline` turns the raw logits of a position into the logits it really samples
 from, before `sampling.adjust` (temperature, top-k, top-p, min-p). Speculative decoding stays

@@ -1,6 +1,6 @@
 """Standardized sampling (paper §2.2): every decoding rule is plain sampling from an adjusted
 distribution. The same adjustment is applied to the target's logits (p) and the draft's (q), so
-the verifier sees exactly the distributions the tokens were sampled from (DESIGN.md rule 1).
+the verifier sees exactly the distributions the tokens were sampled from (docs/exactness.md rule 1).
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
-    """A per-request generator on the device its tensors live on (DESIGN.md rule 7); a None seed
+    """A per-request generator on the device its tensors live on (docs/exactness.md rule 7); a None seed
     draws a fresh one."""
     generator = torch.Generator(device=device)
     if seed is None:

@@ -28,7 +28,7 @@ def _check_shapes(draft_tokens, draft_probs, target_probs):
 
 
 def match_vocab(draft_probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Zero-pad (or cut) q to the target's vocabulary size (DESIGN.md rule 6).
+    """Zero-pad (or cut) q to the target's vocabulary size (docs/exactness.md rule 6).
 
     Models of one family often pad their embedding tables to different sizes; the ids past the
     tokenizer's real size are never valid tokens, so q mass there can never be accepted.

@@ -417,3 +417,12 @@ def test_generate_takes_logprobs_processors_and_grammars_and_checks_them(decoder
         SamplingParams(repetition_penalty=0)
     with pytest.raises(ValueError, match="presence_penalty must be"):
         SamplingParams(presence_penalty=2.5)
+
+
+def test_decoder_config_is_importable_from_the_package_and_refuses_infinite_guard_costs():
+    from specdecode import DecoderConfig
+
+    with pytest.raises(ValueError, match="finite"):
+        DecoderConfig(guard_costs=(0.1, float("inf"))).validate()
+    with pytest.raises(ValueError, match="finite"):
+        DecoderConfig(guard_costs=(float("nan"), 0.1)).validate()

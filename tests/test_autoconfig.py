@@ -151,14 +151,32 @@ def test_an_unreadable_cache_file_is_measured_again(model_dirs, cache, timed_whe
     assert choice_cache.load_choice(key) is not None
 
 
-def test_a_choice_measured_while_other_processes_were_busy_is_used_and_not_cached(model_dirs, cache,
-                                                                                 timed_when_tiny, monkeypatch):
+def test_a_choice_measured_while_other_processes_were_busy_is_provisional_and_timed_again_when_idle(
+        model_dirs, cache, timed_when_tiny, monkeypatch):
     monkeypatch.setattr(hardware, "BUSY_CORES", -1.0)  # any other load counts as busy
     lines = []
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], progress=lines.append)
-    assert decoder.choice is not None and "not cached" in decoder.choice.notes[-1]
-    assert any("not cached" in line for line in lines)
-    assert choice_cache.load_choice(_key(model_dirs)) is None  # the next start measures again
+    assert decoder.choice is not None and decoder.choice.provisional and "provisional" in decoder.choice.notes[-1]
+    assert any("provisional" in line for line in lines)
+    cached = choice_cache.load_choice(_key(model_dirs))
+    assert cached is not None and cached.provisional  # kept: the next busy start times nothing
+    timed = []
+    monkeypatch.setattr(tune, "measure_and_choose", lambda *a, **k: timed.append(1))
+    SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
+    assert not timed
+    monkeypatch.setattr(hardware, "BUSY_CORES", 1e9)  # now idle: the provisional choice is timed again
+    SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
+    assert timed
+
+
+def test_a_busy_measurement_keeps_a_timed_draft():
+    from specdecode.tune.costs import DraftCost, TargetCost, choose
+
+    targets = {"bfloat16": TargetCost(0.1, {2: 3.0, 9: 9.0}, 0.01)}  # verifies look dear under load
+    drafts = {("int4", "bfloat16"): DraftCost(0.05, 0.005)}
+    assert choose(targets, drafts).draft_kernel is None
+    kept = choose(targets, drafts, allow_plain=False)
+    assert kept.draft_kernel == "int4" and kept.gamma >= 1
 
 
 def test_float32_candidates_work_on_a_model_transformers_marks_quantized():

@@ -126,10 +126,19 @@ def test_a_seeded_sampled_request_with_a_foreign_draft_is_the_same_alone_and_in_
     assert decode([[9, 9, 9, 9], [4, 5, 6], [7]])[1].token_ids == alone
 
 
-def test_a_pair_sharing_too_few_token_strings_is_refused(foreign_pair):
+def test_a_small_vocabulary_shared_almost_whole_is_accepted(foreign_pair):
+    """14 of the target's 15 token strings: not "too few" (the floor of 1000 is for large vocabularies)."""
     target, draft, target_tok, draft_tok = foreign_pair
-    with pytest.raises(ValueError, match="share 14 token strings .* too few"):
-        CrossVocabProposer(draft, draft_tok, target_tok, target.vocab_size)
+    assert CrossVocabProposer(draft, draft_tok, target_tok, target.vocab_size).num_shared == 14
+
+
+def test_a_pair_sharing_too_few_token_strings_is_refused():
+    target_tok = char_tokenizer({**{f"t{i}": i for i in range(2100)}, **{c: 2100 + i for i, c in enumerate("abcdefghijk")},
+                                 "?": 2111})
+    draft_tok = char_tokenizer({**{f"d{i}": i for i in range(2100)}, **{c: 2100 + i for i, c in enumerate("abcdefghijk")},
+                                "?": 2111})
+    with pytest.raises(ValueError, match="share 12 token strings .* too few"):
+        CrossVocabProposer(TableModel(2112, seed=0), draft_tok, target_tok, 2112)
 
 
 def test_tli_one_step_by_enumeration_gives_p_exactly():

@@ -1,4 +1,4 @@
-"""The decoding loop's bookkeeping: acceptance counts, cache rollback, stops, seeds (DESIGN.md §5)."""
+"""The decoding loop's bookkeeping: acceptance counts, cache rollback, stops, seeds (docs/exactness.md)."""
 
 from types import SimpleNamespace
 

@@ -1,5 +1,5 @@
 """The engine's step API (add / step / abort): rows that join and leave between steps, each
-exactly what it would be alone (DESIGN.md rule 7), caches that hold exactly the committed prefix
+exactly what it would be alone (docs/exactness.md rule 7), caches that hold exactly the committed prefix
 after every step (rule 5), on table models (exact logits) and tiny float32 Llamas."""
 
 import math
@@ -162,7 +162,7 @@ def test_guard_adaptive_gamma_and_prompt_lookup_run_per_row_inside_a_batch():
 
 class CheckedEngine(Engine):
     """After every step: each row's target cache holds its committed sequence minus the one pending
-    token, and the draft's holds it minus its own pending tokens (DESIGN.md rule 5)."""
+    token, and the draft's holds it minus its own pending tokens (docs/exactness.md rule 5)."""
 
     def step(self):
         outputs = super().step()

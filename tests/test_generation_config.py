@@ -1,4 +1,4 @@
-"""The target's own generation_config defaults (issue 12): the penalties we support are applied
+"""The target's own generation_config defaults: the penalties we support are applied
 exactly (as transformers' generate applies them), the rest are named in one warning, and
 use_generation_config=False ignores them."""
 

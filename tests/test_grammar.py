@@ -1,4 +1,4 @@
-"""Grammar-constrained output (issue 12): the token mask applies to p and q at every position, the
+"""Grammar-constrained output: the token mask applies to p and q at every position, the
 matcher walks drafts and rolls back, drafts that break the grammar are cut, forced tokens cost no
 draft forward, and the output is exactly the masked target's."""
 

@@ -253,3 +253,11 @@ def test_weak_free_drafts_are_declined_and_strong_ones_kept_with_the_greedy_outp
     # the weak drafts stop being verified after a few misses; the strong ones never do
     assert priced.stats.num_rejected <= 4 < unpriced.stats.num_rejected
     assert priced.stats.num_accepted >= 0.8 * unpriced.stats.num_accepted
+
+
+def test_a_cost_that_is_not_a_finite_number_leaves_the_old_one():
+    guard = SpeculationGuard(0.2, 0.05)
+    guard.set_costs(float("nan"), float("inf"))
+    assert (guard.c, guard.slope) == (0.2, 0.05)
+    guard.set_costs(0.3, 0.1)
+    assert (guard.c, guard.slope) == (0.3, 0.1)

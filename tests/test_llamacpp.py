@@ -293,7 +293,7 @@ def greedy(n, k):
 
 class CheckedEngine(Engine):
     """After every step: each row's target cache holds its committed sequence minus the one pending
-    token, the draft's holds it minus its own pending tokens (DESIGN.md rule 5)."""
+    token, the draft's holds it minus its own pending tokens (docs/exactness.md rule 5)."""
 
     def step(self):
         outputs = super().step()

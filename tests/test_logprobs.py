@@ -1,4 +1,4 @@
-"""Per-token logprobs (issue 12): the target's raw log-softmax at each returned token's position,
+"""Per-token logprobs: the target's raw log-softmax at each returned token's position,
 the same with and without speculation, and equal to a plain transformers forward."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Penalties and logits processors (issue 12, DESIGN.md rule 9): the same as transformers' and
+"""Penalties and logits processors (docs/exactness.md rule 9): the same as transformers' and
 OpenAI's definitions, applied to p and q at every position with the prefix up to it, exact under
 speculation, and nothing from a rejected draft leaks."""
 

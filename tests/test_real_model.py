@@ -17,7 +17,7 @@ pytestmark = pytest.mark.real_model
 
 @pytest.fixture(scope="module")
 def float32_decoder():
-    # No guard: in float32 a verify costs several steps (DESIGN.md §8), so the guards would rightly
+    # No guard: in float32 a verify costs several steps (docs/auto-configuration.md), so the guards would rightly
     # stop drafting, and these tests are about exactness while drafting.
     return SpeculativeDecoder(dtype="float32", num_speculative_tokens=4, guard=False)
 
@@ -85,7 +85,7 @@ def test_quick_bench_and_alpha_run_on_the_default_pair(tmp_path):
 
 
 def test_default_pair_constrained_greedy_equals_plain_constrained_greedy(float32_decoder, float32_plain):
-    # issue 12: a JSON schema, a repetition penalty and logprobs on the real pair, float32
+    # a JSON schema, a repetition penalty and logprobs on the real pair, float32
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "tests": {"type": "integer"}},
               "required": ["name", "tests"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
@@ -100,3 +100,24 @@ def test_default_pair_constrained_greedy_equals_plain_constrained_greedy(float32
     if spec.finish_reason == "eos":
         document = json.loads(spec.text)
         assert isinstance(document["name"], str) and isinstance(document["tests"], int)
+
+
+def test_bfloat16_invariant_greedy_equals_plain_greedy_token_for_token():
+    """dtype="bfloat16" runs the batch-invariant kernels where they build: speculative greedy
+    output is then plain greedy output of the same bfloat16 model, bit for bit (no near-tie
+    caveat), and a verify of k tokens rounds as k steps."""
+    from specdecode import native
+
+    if not native.available():
+        pytest.skip("no C++ compiler for the batch-invariant kernels")
+    decoder = SpeculativeDecoder(dtype="bfloat16", guard=False)
+    assert decoder.configuration()["target_kernel"] == "bfloat16-invariant"
+    assert decoder.configuration()["batch_invariant"] is True
+    plain = SpeculativeDecoder(decoder.target.backend.model, None, tokenizer=decoder.tokenizer, dtype="bfloat16")
+    assert plain.target.backend.batch_invariant and plain.draft is None
+    greedy = SamplingParams(temperature=0)
+    for problem in humaneval_prompts(3):
+        spec = decoder.generate(problem["prompt"], max_new_tokens=48, sampling=greedy, chat=False)
+        alone = plain.generate(problem["prompt"], max_new_tokens=48, sampling=greedy, chat=False)
+        assert spec.token_ids == alone.token_ids, problem["task_id"]
+        assert spec.stats.num_target_calls < alone.stats.num_target_calls

@@ -253,3 +253,38 @@ def test_the_scale_out_docs_commands_parse_and_the_local_batch_runs_as_written(m
     assert main([*argv[1:], *models(model_dirs), "--quiet"]) == 0
     prompts = [json.loads(line)["prompt"] for line in (ROOT / "examples/prompts.jsonl").read_text().splitlines()]
     assert sorted(r["id"] for r in read_jsonl(out)) == list(range(1, len(prompts) + 1))
+
+
+def test_summary_counts_openai_format_records_by_their_status():
+    """OpenAI's batch format carries "error": null on every line; the status code says what failed."""
+    from specdecode.scale.batch import BatchSummary
+
+    ok = {"id": "batch_req_1", "custom_id": "a", "error": None,
+          "response": {"status_code": 200, "request_id": "r1",
+                       "body": {"usage": {"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11},
+                                "speculation": {"num_drafted": 10, "num_accepted": 6}}}}
+    missing = {"id": "batch_req_2", "custom_id": "b", "error": None,
+               "response": {"status_code": 404, "request_id": "r2",
+                            "body": {"error": {"message": "no such model", "type": "invalid_request_error"}}}}
+    simple_error = {"id": "c", "error": "prompt is empty"}
+    summary = BatchSummary(rows=4)
+    for record in (ok, ok, missing, simple_error):
+        summary.add(record)
+    assert (summary.done, summary.failed, summary.tokens) == (2, 2, 14)
+    assert (summary.drafted, summary.accepted) == (20, 12)
+
+
+def test_progress_eta_comes_from_decoded_rows_not_from_instant_errors():
+    import io
+
+    from specdecode.cli.batch import ProgressBar
+    from specdecode.scale.batch import BatchSummary
+
+    out = io.StringIO()
+    bar = ProgressBar(out)
+    summary = BatchSummary(rows=3, failed=1, wall_time_s=0.01)  # a refused row, written at once
+    bar(summary, 3)
+    assert "ETA ?" in out.getvalue()
+    summary.done, summary.wall_time_s = 1, 10.0
+    bar(summary, 3)
+    assert out.getvalue().splitlines()[-1].endswith("ETA 10s, 1 failed")

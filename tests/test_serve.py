@@ -240,6 +240,15 @@ def test_bad_requests_get_one_clear_error_naming_the_field(server, body, status,
     assert error["param"] == param and error["message"] and error["type"]
 
 
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_a_number_that_is_not_finite_is_called_so(server, value):
+    response = httpx.post(server.url + "/v1/completions", timeout=30, headers={"content-type": "application/json"},
+                          content=f'{{"model": "tiny", "prompt": "abc", "temperature": {value}}}')
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "temperature" and "finite" in error["message"], error
+
+
 def test_malformed_bodies_get_400_and_the_server_still_serves(server):
     for content in (b"{not json", b"[1, 2]", "\xff".encode("latin-1")):
         response = httpx.post(server.url + "/v1/chat/completions", content=content, timeout=30,
@@ -481,7 +490,7 @@ def test_sigterm_with_queued_work_ends_every_request_cleanly(chat_model_dirs):
     assert server.stop() == 0
 
 
-# --- logprobs, penalties and grammars over the wire (issue 12) ------------------------------------
+# --- logprobs, penalties and grammars over the wire ------------------------------------
 
 def test_completion_logprobs_are_the_same_with_and_without_speculation(server, plain_server):
     spec, plain = complete(server, "abc", logprobs=3), complete(plain_server, "abc", logprobs=3)

@@ -15,12 +15,23 @@ from specdecode.cli import alpha, batch, bench, generate, serve
 COMMANDS = {"generate": generate, "alpha": alpha, "bench": bench, "serve": serve, "batch": batch}
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors: `specdecode generate: error: --flag ...` and exit 2 (the
+    full usage stays behind --help). Sub-command parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from specdecode import __version__
+
+    parser = Parser(
         prog="specdecode",
         description="Exact speculative decoding (Leviathan et al., ICML 2023): a draft model proposes "
                     "tokens, the target verifies them in one call, and the output is distributed "
                     "exactly as sampling the target alone.")
+    parser.add_argument("--version", action="version", version=f"specdecode {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS.values():
         command.add_parser(sub)
@@ -32,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return COMMANDS[args.command].run(args, parser)
+        # the command's own parser, so that its range errors name the command
+        command_parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)) \
+            .choices[args.command]
+        return COMMANDS[args.command].run(args, command_parser)
     except KeyboardInterrupt:  # Ctrl-C: whatever was printed stays, no traceback
         print("specdecode: interrupted", file=sys.stderr)
         return 130

@@ -154,7 +154,9 @@ class ProgressBar:
             return
         self.last_tenth = tenth
         rate = summary.tokens_per_second
-        eta = summary.wall_time_s / finished * (todo - finished) if finished else float("nan")
+        # from decoded rows only: a row refused at once (an error record) says nothing of the time
+        # the others take
+        eta = summary.wall_time_s / summary.done * (todo - finished) if summary.done else float("nan")
         width = 24
         filled = width * finished // max(todo, 1)
         line = (f"rows {finished}/{todo} [{'=' * filled}{' ' * (width - filled)}] {rate:.1f} tokens/s, "

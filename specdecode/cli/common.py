@@ -233,14 +233,14 @@ def read_prompts_file(path: str) -> list[str]:
 
 
 def stderr_progress(args):
-    """A stderr printer (None with --quiet, which also silences transformers' bars)."""
+    """A stderr printer (one that prints nothing with --quiet, which also silences transformers' bars)."""
     if not args.quiet:
         return lambda msg: print(msg, file=sys.stderr, flush=True)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    return None
+    return lambda msg: None
 
 
 def build_decoder(config: DecoderConfig, progress):

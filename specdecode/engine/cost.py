@@ -30,7 +30,7 @@ measured 0.93x (2026-12-01).
 
 Exactness: γ is chosen before the step's drafts and draws, from past timings and tokens only, so
 each step still samples exactly from p (§2.3). Only guarded rows (greedy and unseeded requests)
-are ever capped, so a seeded request's output still never depends on its batch (DESIGN.md rule 7).
+are ever capped, so a seeded request's output still never depends on its batch (docs/exactness.md rule 7).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The one decoding loop, batch-first: every path (a prompt, a stream, a list, a benchmark, a
-server request) is a request that joins the running batch and leaves it when done (DESIGN.md §2).
+server request) is a request that joins the running batch and leaves it when done (docs/ARCHITECTURE.md).
 
 One step, for all running rows at once:
     1 plan      γ per row: its schedule, its guard, clipped to the room it has left

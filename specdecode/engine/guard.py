@@ -52,6 +52,8 @@ what the past says is exact for the same reason as choosing γ (§2.3).
 
 from __future__ import annotations
 
+import math
+
 
 FREE_MARGIN = 0.05       # a free draft is verified only if it promises 5% more tokens per unit cost
 FREE_PRIOR_TOKENS = 2.0  # weight of the prior α of a free draft's support, in verified tokens
@@ -93,8 +95,12 @@ class SpeculationGuard:
 
     def set_costs(self, cost_coefficient: float, verify_slope: float) -> None:
         """New c and slope (from the loop's timings; the base stays as measured at load); they
-        apply to the steps already recorded too."""
-        self.c, self.slope = max(cost_coefficient, 0.0), max(verify_slope, 0.0)
+        apply to the steps already recorded too. A value that is not a finite number (a timing
+        gone wrong) leaves the old one: a NaN cost would make every gain NaN and never pause."""
+        if math.isfinite(cost_coefficient):
+            self.c = max(cost_coefficient, 0.0)
+        if math.isfinite(verify_slope):
+            self.slope = max(verify_slope, 0.0)
 
     def speculate(self) -> bool:
         """Draft on this step?"""

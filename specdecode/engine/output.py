@@ -1,4 +1,4 @@
-"""Step 4's token-by-token commit for one request: EOS, stop strings, max_new_tokens (DESIGN.md
+"""Step 4's token-by-token commit for one request: EOS, stop strings, max_new_tokens (docs/exactness.md
 rule 4). Nothing after a stop is returned, streamed or counted."""
 
 from __future__ import annotations

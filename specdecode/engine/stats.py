@@ -1,4 +1,4 @@
-"""Per-request statistics (DESIGN.md §6)."""
+"""Per-request statistics (docs/api.md, statistics)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class GenerationStats:
-    """What one generation did (DESIGN.md §6). Times in seconds."""
+    """What one generation did (docs/api.md, statistics). Times in seconds."""
 
     num_target_calls: int = 0
     num_draft_calls: int = 0

@@ -1,4 +1,4 @@
-"""Token ids → text, incrementally, and stop strings that may span tokens (DESIGN.md rule 4)."""
+"""Token ids → text, incrementally, and stop strings that may span tokens (docs/exactness.md rule 4)."""
 
 from __future__ import annotations
 

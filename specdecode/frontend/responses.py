@@ -79,7 +79,7 @@ def finish_reason(reason: str) -> str:
 
 
 def speculation(stats) -> dict:
-    """The per-response `speculation` object (DESIGN.md §6 names)."""
+    """The per-response `speculation` object (docs/api.md's statistics names)."""
     return {"num_drafted": stats.num_drafted, "num_accepted": stats.num_accepted,
             "acceptance_rate": stats.num_accepted / stats.num_drafted if stats.num_drafted else None,
             "alpha_estimate": stats.alpha_estimate if stats.num_accepted + stats.num_rejected else None,

@@ -17,7 +17,8 @@ MAX_GAMMA = 64
 MAX_LOGPROBS = 20
 MAX_CHOICES = 16                       # n, choices per prompt
 MAX_ROWS = 256                         # prompts × n of one request
-Number = Annotated[float, Field(strict=True)]  # JSON numbers only: "0.5" and true are refused
+# JSON numbers only: "0.5" and true are refused, and so are NaN and ±Infinity (Python's json reads them)
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 
 
 class ApiError(Exception):

@@ -237,7 +237,7 @@ def summarize(timings: dict, costs: dict, tasks: list[str]) -> list[dict]:
             row["accepted_over_drafted"] = sum(s.num_accepted for s in st) / sum(s.num_drafted for s in st)
             row["tokens_per_call"] = sum(s.num_generated for s in st) / sum(s.num_target_calls for s in st)
             row["draft_share_of_time"] = sum(s.time_draft_s for s in st) / sum(s.wall_time_s for s in st)
-            # The ceiling of this configuration (issue 13): Eq. 1 at its α̂ and γ_max with a free
+            # The ceiling of this configuration: Eq. 1 at its α̂ and γ_max with a free
             # draft (c → 0), over the measured cost of verifying γ_max drafts, r(γ_max + 1).
             gamma_max = len(st[0].accepted_per_position)
             r_full = costs.get("r", {}).get(gamma_max + 1)

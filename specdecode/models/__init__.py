@@ -1,6 +1,6 @@
 """Backends that own a KV cache for B rows (one per running request); rollback sets a length.
 
-Every backend has (DESIGN.md §2, §5 rule 5):
+Every backend has (docs/ARCHITECTURE.md; docs/exactness.md rule 5):
     vocab_size: int                       width V of the logits it returns
     num_embeddings: int                   ids below this can be fed
     max_length: int | None                context window per row, None if unbounded

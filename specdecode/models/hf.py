@@ -92,7 +92,7 @@ class HFCausalLM:
         vocab_limit: score only token ids below this (for a draft model: the LM head of a small
             model is a large share of its cost). BPE vocabularies put frequent tokens first, so
             a draft that never proposes rare ids loses little acceptance; its q is zero there,
-            and the verifier stays exact (DESIGN.md rule 6). None scores the whole vocabulary.
+            and the verifier stays exact (docs/exactness.md rule 6). None scores the whole vocabulary.
         compact_min_dead, compact_ratio: compact the cache once its dead slots (S − longest row)
             exceed compact_min_dead and compact_ratio × the longest row; 0, 0 compacts whenever
             any slot is dead (for tests).

@@ -9,7 +9,7 @@ per target call. Fusing the projections halves the matmul calls; writing the lay
 module and keyword plumbing around each op.
 
 Exactness does not depend on it: the verifier uses whatever q the draft computed (paper §2.3,
-DESIGN.md exactness rule 1), so a draft forward that differs in rounding changes acceptance, never the
+docs/exactness.md rule 1), so a draft forward that differs in rounding changes acceptance, never the
 output distribution. tests/test_lean.py checks it against transformers' forward to float32
 rounding, rows, masks, trees and rollback included, so that acceptance does not drop either.
 

@@ -1,5 +1,5 @@
 """llama.cpp as a backend: a GGUF model's forwards through llama-cpp-python's low-level C API, for
-B rows at once, under the engine's exact speculative loop (DESIGN.md §2, §8).
+B rows at once, under the engine's exact speculative loop (docs/ARCHITECTURE.md, docs/llamacpp.md).
 
 Layout. One llama.cpp context holds every row: row b is a llama.cpp *sequence* (a seq id) in one
 KV cache shared by all sequences (`kv_unified`), so a context of n_ctx cells holds any mix of row

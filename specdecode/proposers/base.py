@@ -1,4 +1,4 @@
-"""The proposer protocol: where drafts come from does not matter to the engine (STYLE.md habit 5).
+"""The proposer protocol: where drafts come from does not matter to the engine (docs/ARCHITECTURE.md, two protocols).
 
 A proposer serves every running row at once. Its rows follow the engine's: `add_row` appends one,
 `select` keeps some in order, and `propose` / `commit` take one entry per row.
@@ -49,7 +49,7 @@ def no_draft(vocab_size: int, device) -> Draft:
 class DraftRow(Protocol):
     """What a proposer may read of a running row."""
 
-    sampling: SamplingParams     # the request's adjustment (DESIGN.md rule 1)
+    sampling: SamplingParams     # the request's adjustment (docs/exactness.md rule 1)
     generator: torch.Generator   # the request's randomness (rule 7)
     tokens: list[int]            # the committed sequence: prompt + emitted tokens (read-only)
     # and `pipeline`: the request's specdecode.processors.LogitsPipeline or None (rule 9). A

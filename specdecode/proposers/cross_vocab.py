@@ -87,7 +87,8 @@ class CrossVocabProposer(DraftModelProposer):
         target_vocab_size: V of the target's logits (the width of q).
         method: "auto" (TLI for sampled requests, SLEM for greedy), "tli" or "slem" for all.
         confidence_threshold: as DraftModelProposer (dynamic γ).
-        min_shared: refuse a pair whose shared vocabulary holds fewer token strings.
+        min_shared: refuse a pair whose shared vocabulary holds fewer token strings (or, for
+            vocabularies under 2·min_shared, fewer than half of the smaller one).
     Raises:
         ValueError: an unknown method, or a shared vocabulary smaller than min_shared (the draft
             could propose too little of what the target writes to help).
@@ -102,7 +103,9 @@ class CrossVocabProposer(DraftModelProposer):
         self.target_vocab_size, self.method = target_vocab_size, method
         self.to_target = shared_vocabulary(target_tokenizer, draft_tokenizer, backend.vocab_size, target_vocab_size)
         self.num_shared = int((self.to_target >= 0).sum())
-        if self.num_shared < min_shared:
+        # an absolute floor for large vocabularies; a small one (a test's, a character model's) is
+        # judged by the share of it that the two hold in common
+        if self.num_shared < min(min_shared, min(len(draft_tokenizer), len(target_tokenizer)) // 2):
             raise ValueError(f"the draft's and the target's vocabularies share {self.num_shared} token strings "
                              f"(of {len(draft_tokenizer)} and {len(target_tokenizer)}): too few for the draft to help; "
                              "pick a draft whose tokenizer is closer to the target's")

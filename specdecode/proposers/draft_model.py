@@ -53,7 +53,7 @@ class DraftModelProposer:
     guard paused it) feeds nothing at the later positions, and its committed tokens queue up as
     pending.
 
-    A row with a logits pipeline (penalties, logits processors, a grammar: DESIGN.md rule 9) drafts
+    A row with a logits pipeline (penalties, logits processors, a grammar: docs/exactness.md rule 9) drafts
     from its transformed logits, padded or cut to the target's vocabulary, with prefix committed +
     drafts so far; where its grammar allows only one token, that token is the draft (one-hot q)
     and costs no forward.

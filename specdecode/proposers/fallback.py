@@ -20,7 +20,7 @@ class FallbackProposer:
     committed tokens (a draft model's cache catches up on the steps free drafts served). Which
     rows go to `then` depends only on `first`'s drafts, which depend on what it has seen, never
     on a row's random draws: every draft stays exact (paper §2.3), and a seeded row draws from its
-    generator exactly as it would alone (DESIGN.md rule 7).
+    generator exactly as it would alone (docs/exactness.md rule 7).
 
     The timers are the sums of the parts' (`time_s`, and `read_s`, `read_tokens` as
     proposers.base.proposer_reads reads them; a part without them counts 0), and `unread()` the

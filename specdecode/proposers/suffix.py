@@ -11,7 +11,7 @@ well-supported continuation runs long, a contested one stops early) rather than 
 Earlier requests: the proposer lives as long as its engine (the server's, the batch job's), and
 each finished row's tokens join a bounded, least-recently-used cache of sequences. A seeded
 sampled request drafts from its own tokens only, so its output does not depend on what else the
-engine has decoded (the drafts decide which random numbers are drawn; DESIGN.md rule 7); greedy
+engine has decoded (the drafts decide which random numbers are drawn; docs/exactness.md rule 7); greedy
 and unseeded requests use the cache too.
 """
 

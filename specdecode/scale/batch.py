@@ -129,13 +129,19 @@ class BatchSummary:
     cut_bytes: int = 0
 
     def add(self, record: dict) -> None:
-        if "error" in record:
+        """Count one output line: a simple line, or an OpenAI-format one (whose "error" is always
+        null: its response's status code says whether the row failed)."""
+        if "response" in record:
+            failed, body = record["response"]["status_code"] != 200, record["response"]["body"]
+        else:
+            failed, body = record.get("error") is not None, record
+        if failed:
             self.failed += 1
             return
         self.done += 1
-        self.tokens += record["usage"]["completion_tokens"]
-        self.drafted += record["speculation"]["num_drafted"]
-        self.accepted += record["speculation"]["num_accepted"]
+        self.tokens += body["usage"]["completion_tokens"]
+        self.drafted += body["speculation"]["num_drafted"]
+        self.accepted += body["speculation"]["num_accepted"]
 
     @property
     def acceptance_rate(self) -> float:

@@ -27,7 +27,7 @@ from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.tune import cache
 from specdecode.tune.candidates import Loaders, measure_and_choose
 from specdecode.tune.costs import Choice
-from specdecode.tune.hardware import CpuWatch, cpu_report, describe, native_bfloat16
+from specdecode.tune.hardware import CpuWatch, cpu_report, describe, idle_now, native_bfloat16
 from specdecode.tune.timing import guard_costs
 
 __all__ = ["Plan", "plan", "guard_costs"]
@@ -78,20 +78,24 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None) -
     targets, kinds = candidates_of(config, quantization)
     key = _key(config, targets + kinds)
     choice = cache.load_choice(key)
+    if choice is not None and choice.provisional and idle_now():
+        if progress:
+            progress("the cached choice was timed beside other work and the machine is idle now: timing again")
+        choice = None
     if choice is None:
         with CpuWatch() as watch:
             choice = measure_and_choose(_loaders(config, target, draft, progress), targets, kinds,
-                                        config.num_speculative_tokens, progress)
+                                        config.num_speculative_tokens, progress,
+                                        busy=watch.busy_so_far)
         if choice is None:  # not worth timing: bfloat16 as given
             return static
-        if watch.busy:  # timings taken beside other work mislead; the next start measures again
-            note = (f"measured while other processes kept {watch.others_cores:.1f} cores busy: used for this "
-                    "start, not cached (the next start measures again)")
-            choice = dataclasses.replace(choice, notes=choice.notes + (note,))
+        if watch.busy:  # timings taken beside other work mislead: kept, and refined on an idle start
+            note = (f"measured while other processes kept {watch.others_cores:.1f} cores busy: provisional (cached; "
+                    "timed again at the first start on an idle machine, or by `specdecode tune`)")
+            choice = dataclasses.replace(choice, notes=choice.notes + (note,), provisional=True)
             if progress:
                 progress(note)
-        else:
-            cache.save_choice(key, choice)
+        cache.save_choice(key, choice)
     if progress:
         progress(f"chose for this machine ({describe(cpu_report())}): {choice.describe()}")
     upcast = not native_bfloat16()

@@ -13,7 +13,7 @@ from pathlib import Path
 from specdecode.tune.costs import Choice
 from specdecode.tune.hardware import cpu_report
 
-CACHE_VERSION = 8  # bumped when what is measured or how the choice is made changes (8: the SDPA draft kernel)
+CACHE_VERSION = 9  # bumped when what is measured or how the choice is made changes (9: the batch-invariant target)
 
 
 def cache_key(target_name: str, draft_name: str | None, max_gamma: int, candidates: tuple[str, ...]) -> str:

@@ -94,7 +94,7 @@ def _release() -> None:
 
 
 def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: tuple[str, ...], max_gamma: int,
-                       progress: Progress = None) -> Choice | None:
+                       progress: Progress = None, busy: Callable[[], bool] = lambda: False) -> Choice | None:
     """Time each candidate of this pair, one target model at a time, and return the Choice.
 
     Args:
@@ -105,6 +105,8 @@ def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: 
         draft_kinds: the draft kernels to time ("int4", "int8", "none": torch; "gguf": its GGUF on
             llama.cpp); empty for no draft.
         max_gamma: the decoder's γ_max.
+        busy: whether other work ran beside the timings (then a draft that was timed is kept:
+            costs.choose(allow_plain=False)).
     Returns:
         the Choice, or None where nothing is timed: an encoder-decoder target, or one with fewer
         than AUTO_MIN_PARAMETERS parameters (bfloat16 stays).
@@ -163,7 +165,7 @@ def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: 
         else:
             say(f"float32 target not timed: {bound}")
     _release()  # the chosen models load next
-    choice = choose(costs, draft_costs, max_gamma=max_gamma)
+    choice = choose(costs, draft_costs, max_gamma=max_gamma, allow_plain=not busy())
     notes = tuple(f"{kernel} target: step {1e3 * cost.step_s:.0f} ms, r(9) {cost.ratio(9):.2f}, "
                   f"prompt read {1e3 * cost.read_s_per_token:.1f} ms/token" for kernel, cost in costs.items()) + \
         tuple(f"{kind} {kernel} draft: step {1e3 * cost.step_s:.0f} ms, prompt read "

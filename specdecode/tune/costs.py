@@ -105,7 +105,8 @@ class Choice:
     (prompt read included).  plain_rate: the same for plain decoding with the best target kernel.
     c: the draft step over the chosen target step (paper Def. 3.7).  r: r(γ+1) of that kernel.
     alpha: the α planned for.  low_alpha: the low α weighed as much (LOW_ALPHA).  notes: what was
-    measured, one line per target kernel.
+    measured, one line per target kernel.  guard_costs(): the guard's starting costs from these
+    timings (no second measurement at load).
     The verification rule is not chosen: block verification equals the token-wise rule under
     greedy decoding, costs the same target call, and measured level with it at temperature 1
     (2.59x against 2.61x, docs/results/bench_code_t1_20.md); Eq. 1 has no term for its gain.
@@ -123,6 +124,17 @@ class Choice:
     low_alpha: float = LOW_ALPHA
     notes: tuple[str, ...] = field(default_factory=tuple)
     draft_timed: bool = True  # False: no draft model was given, only target kernels were compared
+    r2: float = 0.0  # r(2) of the chosen kernel (0: not recorded); with c and r, the guard's costs
+    provisional: bool = False  # timed beside other work: used and cached, timed again on an idle start
+
+    def guard_costs(self) -> tuple[float, float, float] | None:
+        """(c, slope, base) for the guard from the chosen kernels' timings (tune.timing.verify_line),
+        or None where they do not say (plain decoding, a choice cached before r(2) was kept)."""
+        from specdecode.tune.timing import verify_line
+
+        if self.draft_kernel is None or self.r2 <= 0:
+            return None
+        return (self.c, *verify_line(self.r2, self.r, self.gamma))
 
     @property
     def speedup(self) -> float:
@@ -144,7 +156,7 @@ class Choice:
 
 def choose(targets: dict[str, TargetCost], drafts: dict[tuple[str, str], DraftCost], alpha: float = PRIOR_ALPHA,
            max_gamma: int = 8, prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS,
-           low_alpha: float = LOW_ALPHA) -> Choice:
+           low_alpha: float = LOW_ALPHA, allow_plain: bool = True) -> Choice:
     """The configuration with the best score over a request of prompt_tokens prompt tokens and
     new_tokens new ones (its prompt read included): the geometric mean of its expected tokens per
     second at alpha and at low_alpha. Speculation must beat plain decoding's score by MARGIN.
@@ -155,6 +167,8 @@ def choose(targets: dict[str, TargetCost], drafts: dict[tuple[str, str], DraftCo
             draft goes with any target kernel.
         alpha, low_alpha: the acceptance rates planned for, in [0, 1).  max_gamma: the largest γ
             considered.  prompt_tokens, new_tokens: the request planned for (>= 0 and >= 1).
+        allow_plain: False keeps speculation where a draft was timed (timings taken beside other
+            work can make any draft look dear; only an idle measurement may turn it off).
     Returns:
         a Choice; draft_kernel None (plain decoding) where no draft pays on this machine. Its
         rate is the expected tokens per second at alpha.
@@ -197,7 +211,9 @@ def choose(targets: dict[str, TargetCost], drafts: dict[tuple[str, str], DraftCo
             score = math.sqrt(rates[gamma] * max(rate(low_alpha, g) for g in range(1, gamma + 1)))
             scored.append((score, Choice(kernel, draft_kernel, draft_dtype, gamma, rate(alpha, gamma),
                                          plain[plain_kernel], draft.step_s / cost.step_s, cost.ratio(gamma + 1),
-                                         alpha, low_alpha)))
+                                         alpha, low_alpha, r2=cost.ratio(2))))
+    if not allow_plain and len(scored) > len(targets):
+        scored = scored[len(targets):]
     # the first of equal scores wins: plain decoding before speculation, kernels in the order given
     best_score, best = max(scored, key=lambda pair: pair[0])
     invariant = [pair for pair in scored if is_invariant(pair[1].target_kernel)]

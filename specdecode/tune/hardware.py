@@ -47,14 +47,29 @@ class CpuWatch:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.others_cores = self.so_far()
+
+    def so_far(self) -> float:
+        """Cores other processes kept busy, on average, from entry until now."""
         machine, own, wall = _machine_busy_seconds(), _own_seconds(), time.monotonic()
-        if machine is not None and self._start[0] is not None and wall > self._start[2]:
-            others = (machine - self._start[0]) - (own - self._start[1])
-            self.others_cores = max(0.0, others / (wall - self._start[2]))
+        if machine is None or self._start[0] is None or wall <= self._start[2]:
+            return 0.0
+        return max(0.0, ((machine - self._start[0]) - (own - self._start[1])) / (wall - self._start[2]))
 
     @property
     def busy(self) -> bool:
         return self.others_cores >= BUSY_CORES
+
+    def busy_so_far(self) -> bool:
+        return self.so_far() >= BUSY_CORES
+
+
+def idle_now(seconds: float = 0.5) -> bool:
+    """Whether other processes leave this machine's cores free (fewer than BUSY_CORES busy over a
+    short look); True where /proc/stat is missing."""
+    with CpuWatch() as watch:
+        time.sleep(seconds)
+    return not watch.busy
 
 
 def has_cpu_counters() -> bool:
