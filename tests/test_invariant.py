@@ -141,8 +141,32 @@ def test_refuses_what_it_does_not_cover():
     assert not usable(tiny_llama(1))                      # float32
     with pytest.raises(ValueError):
         InvariantDecoder(tiny_llama(1))
-    with pytest.raises(ValueError):
-        HFCausalLM(MODELS["llama"](), vocab_limit=50).use_invariant_forward()
+
+
+def test_a_vocabulary_limited_head_gives_the_first_columns():
+    model = MODELS["qwen2"]()
+    full, limited = invariant_backend(model), HFCausalLM(model, vocab_limit=50)
+    limited.use_invariant_forward()
+    for backend in (full, limited):
+        backend.add_row()
+    assert torch.equal(limited.forward([PROMPT], 3)[0], full.forward([PROMPT], 3)[0][:, :50])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_an_int4_draft_runs_on_the_native_kernels(name):
+    """A prepared draft's int4 layers: the same logits as torch's int4 forward to bfloat16
+    rounding (the dequantized weights, computed exactly), rows alike in a verify and alone."""
+    from test_lean import int4
+
+    model = int4(MODELS[name]().float()).bfloat16()
+    reference = HFCausalLM(model, lean=True)
+    native_draft = invariant_backend(model)
+    for backend in (reference, native_draft):
+        backend.add_row()
+    expected, got = reference.forward([PROMPT], len(PROMPT))[0], native_draft.forward([PROMPT], len(PROMPT))[0]
+    assert float((got - expected).abs().max()) < 0.05 * float(expected.abs().max())
+    tokens = [9, 44, 2, 2, 90]
+    assert torch.equal(at_once(native_draft, PROMPT, tokens), stepwise(native_draft, PROMPT, tokens))
 
 
 def test_shared_weights_keep_memory_flat_and_the_model_working():

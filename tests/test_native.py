@@ -175,3 +175,23 @@ def test_other_instruction_sets_pass_the_same_checks(march, isa, tmp_path):
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-m", "not slow"],
                          env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(__file__))
     assert run.returncode == 0, run.stdout[-3000:]
+
+
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 128), (33, 896)])
+def test_4bit_linear_computes_the_dequantized_weights_and_rows_alike(n, k):
+    from specdecode.models.invariant import q4_layout
+    from specdecode.models.quant import Int4Linear
+
+    weight = torch.randn(-(-n // 16) * 16, k, generator=torch.Generator().manual_seed(23)) * 0.05
+    layer = Int4Linear(weight.bfloat16(), None, 32)
+    codes, scales, corrections = (part[:n].contiguous() for part in q4_layout(layer))
+    dequantized = layer.dequantize(torch.float32)[:n].double()
+    x = bf16(max(ROWS), k, seed=24)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(25))
+    alone = rows_alone(lambda r: native.linear_q4(r, codes, scales, corrections, bias, out_float32=True), x)
+    reference = x.double() @ dequantized.T + bias.double()
+    for m in ROWS:
+        y = native.linear_q4(x[:m], codes, scales, corrections, bias, out_float32=True)
+        assert torch.equal(y, alone[:m])
+        torch.testing.assert_close(y.double(), reference[:m], atol=1e-4, rtol=1e-5)
+    assert native.linear_q4(x[:3], codes, scales, corrections).dtype == torch.bfloat16

@@ -147,14 +147,14 @@ class HFCausalLM:
         process loaded).
 
         Raises:
-            ValueError: a model the invariant forward does not cover (see invariant.usable), or a
-                vocab_limit.  specdecode.native.NativeUnavailable: no kernels on this machine.
+            ValueError: a model the invariant forward does not cover (see invariant.usable).
+            specdecode.native.NativeUnavailable: no kernels on this machine.
         """
         from specdecode.models.invariant import InvariantDecoder
 
-        if self._head is not None or self.sliding:
-            raise ValueError("the batch-invariant forward scores the whole vocabulary with full attention")
-        self._lean = InvariantDecoder(self.model, share)
+        if self.sliding:
+            raise ValueError("the batch-invariant forward needs full attention")
+        self._lean = InvariantDecoder(self.model, share, vocab_limit=self.vocab_size if self._head is not None else None)
         self._head = self._lean.head
         self.batch_invariant = True
 

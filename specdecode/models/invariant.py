@@ -12,7 +12,10 @@ The same kernels read each weight once for all rows of a call, so a 9-token veri
 one step's memory traffic (docs/results/native_kernels.md).
 
 It replaces transformers' forward for the models `lean.supports` accepts, on the CPU in bfloat16,
-when the target kernel is "bfloat16-invariant" (specdecode.models.pair). q|k|v and gate|up are
+when the target kernel is "bfloat16-invariant" (specdecode.models.pair). A prepared draft's int4
+layers (groups of 32) run on the same kernels' 4-bit product (activations quantized to int8 per
+row): the draft kernel "native", whose numbers only change acceptance, never the output's
+distribution (paper §2.3). q|k|v and gate|up are
 fused into one weight each; on a model this process loaded, the layers' own weights become views
 of the fused copies, so memory does not grow.
 """
@@ -23,17 +26,77 @@ import torch
 
 from specdecode import native
 from specdecode.models.lean import supports
+from specdecode.models.quant import Int4Linear
+
+
+def _projections(model) -> list:
+    decoder = model.get_decoder()
+    return [p for layer in decoder.layers for p in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                    layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.gate_proj,
+                                                    layer.mlp.up_proj, layer.mlp.down_proj)] + [model.get_output_embeddings()]
+
+
+def _q4_ready(layer) -> bool:
+    return isinstance(layer, Int4Linear) and layer.group_size == 32 and layer.nibbles.shape[1] % 32 == 0
 
 
 def usable(model) -> bool:
-    """Whether this forward can replace `model`'s: a supported decoder in bfloat16 on the CPU."""
+    """Whether this forward can replace `model`'s: a supported decoder on the CPU whose products
+    are bfloat16 layers or a prepared draft's int4 layers (groups of 32)."""
     first = next(model.parameters())
-    return supports(model) and first.dtype == torch.bfloat16 and first.device.type == "cpu"
+    if not supports(model) or first.dtype != torch.bfloat16 or first.device.type != "cpu":
+        return False
+    return all((type(p) is torch.nn.Linear and p.weight.dtype == torch.bfloat16) or _q4_ready(p)
+               for p in _projections(model))
 
 
-def _fused(linears: list[torch.nn.Linear], share: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weights concatenated [ΣN, K] bfloat16, biases [ΣN] float32 or None). share: make each
-    layer's weight a view of the fused tensor (no second copy)."""
+class _Bfloat16:
+    """A product on bfloat16 weights [N, K] (and a float32 bias)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor, out_float32: bool = False) -> torch.Tensor:
+        return native.linear(x, self.weight, self.bias, out_float32)
+
+    def first_rows(self, n: int) -> "_Bfloat16":
+        return _Bfloat16(self.weight[:n], None if self.bias is None else self.bias[:n])
+
+
+class _Int4:
+    """A product on a prepared draft's int4 weights in rows.cpp's layout (native.linear_q4)."""
+
+    def __init__(self, codes, scales, corrections, bias):
+        self.codes, self.scales, self.corrections, self.bias = codes, scales, corrections, bias
+
+    def __call__(self, x: torch.Tensor, out_float32: bool = False) -> torch.Tensor:
+        return native.linear_q4(x, self.codes, self.scales, self.corrections, self.bias, out_float32)
+
+    def first_rows(self, n: int) -> "_Int4":
+        return _Int4(self.codes[:n], self.scales[:n], self.corrections[:n], None if self.bias is None else self.bias[:n])
+
+
+def q4_layout(layer: Int4Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [N, K/2] uint8 in rows.cpp's blocks of 64, scales and corrections [N, K/32] float32)
+    of an Int4Linear with groups of 32: W = (c − 8)·s + z = c·s + (z − 8·s)."""
+    nibbles = layer.nibbles
+    codes = torch.stack([nibbles & 15, nibbles >> 4], -1).reshape(nibbles.shape[0], -1)  # [N, K], input order
+    blocks = codes.view(codes.shape[0], -1, 2, 32)
+    packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(codes.shape[0], -1).contiguous()
+    scale, zero = layer.scale_zero[..., 0].float().T, layer.scale_zero[..., 1].float().T
+    return packed, scale.contiguous(), (zero - 8 * scale).contiguous()
+
+
+def _fused(linears: list, share: bool):
+    """One product computing the layers' outputs end to end (same input): _Bfloat16 or _Int4.
+    share: make each bfloat16 layer's weight a view of the fused tensor (no second copy)."""
+    bias = None
+    if any(layer.bias is not None for layer in linears):
+        bias = torch.cat([layer.bias.detach().float() if layer.bias is not None
+                          else torch.zeros(layer.out_features) for layer in linears]).contiguous()
+    if isinstance(linears[0], Int4Linear):
+        parts = [q4_layout(layer) for layer in linears]
+        return _Int4(*(torch.cat([part[i] for part in parts]).contiguous() for i in range(3)), bias)
     weight = torch.cat([layer.weight.detach() for layer in linears]).contiguous()
     if share:
         start = 0
@@ -41,20 +104,17 @@ def _fused(linears: list[torch.nn.Linear], share: bool) -> tuple[torch.Tensor, t
             rows = layer.weight.shape[0]
             layer.weight = torch.nn.Parameter(weight[start:start + rows], requires_grad=False)
             start += rows
-    if all(layer.bias is None for layer in linears):
-        return weight, None
-    return weight, torch.cat([layer.bias.detach().float() if layer.bias is not None
-                              else torch.zeros(layer.out_features) for layer in linears]).contiguous()
+    return _Bfloat16(weight, bias)
 
 
 class _Layer:
     def __init__(self, layer, share: bool):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv, self.qkv_bias = _fused([attn.q_proj, attn.k_proj, attn.v_proj], share)
+        self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj], share)
         self.splits = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-        self.o, self.o_bias = _fused([attn.o_proj], False)
-        self.gate_up, _ = _fused([mlp.gate_proj, mlp.up_proj], share)
-        self.down, _ = _fused([mlp.down_proj], False)
+        self.o = _fused([attn.o_proj], False)
+        self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], share)
+        self.down = _fused([mlp.down_proj], False)
         self.norm1, self.eps1 = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
         self.norm2 = layer.post_attention_layernorm.weight.detach()
         self.eps2 = layer.post_attention_layernorm.variance_epsilon
@@ -72,15 +132,17 @@ class InvariantDecoder:
     Args:
         model: the transformers model.  share: the model's q/k/v and gate/up weights become views
             of the fused copies (a model this process loaded; never a user's object).
+        vocab_limit: the head scores only the first vocab_limit ids (a draft's cheaper head).
     Raises:
         ValueError: a model `usable` rejects.  native.NativeUnavailable: no kernels here.
     """
 
     eager = False  # as LeanDecoder's attribute: attention here is the kernel's own
 
-    def __init__(self, model, share: bool = False):
+    def __init__(self, model, share: bool = False, vocab_limit: int | None = None):
         if not usable(model):
-            raise ValueError("the batch-invariant forward runs bfloat16 Llama/Qwen2 decoders on the CPU")
+            raise ValueError("the batch-invariant forward runs bfloat16 Llama/Qwen2 decoders (bfloat16 or a "
+                             "draft's int4 layers) on the CPU")
         native.load()
         config = model.config
         decoder = model.get_decoder()
@@ -91,7 +153,9 @@ class InvariantDecoder:
         if head.bias is not None or any(getattr(config, a, None) for a in
                                         ("final_logit_softcapping", "logit_scale", "logits_scaling")):
             raise ValueError("the batch-invariant forward needs a plain linear LM head")
-        self.head_weight = head.weight.detach().contiguous()
+        self._head = _fused([head], False)
+        if vocab_limit is not None and vocab_limit < head.out_features:
+            self._head = self._head.first_rows(vocab_limit)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -112,7 +176,7 @@ class InvariantDecoder:
         self._cos, self._sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return native.linear(hidden, self.head_weight, out_float32=True)
+        return self._head(hidden, out_float32=True)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -130,14 +194,13 @@ class InvariantDecoder:
         dim = self.head_dim
         for index, layer in enumerate(self.layers):
             h = native.rms_norm(x, layer.norm1, layer.eps1)
-            q, k, v = native.linear(h, layer.qkv, layer.qkv_bias).split(layer.splits, dim=-1)
+            q, k, v = layer.qkv(h).split(layer.splits, dim=-1)
             q = self._rotate(q.view(batch, width, self.num_heads, dim), cos, sin)
             k = self._rotate(k.view(batch, width, self.num_kv_heads, dim), cos, sin)
             k = k.transpose(1, 2).contiguous()
             v = v.reshape(batch, width, self.num_kv_heads, dim).transpose(1, 2).contiguous()
             k, v = cache.update(k, v, index)
             attended = native.attention(q, k, v, allowed, self.scaling)
-            x = x + native.linear(attended.view(batch, width, -1), layer.o, layer.o_bias)
-            x = x + native.linear(native.silu_mul(native.linear(native.rms_norm(x, layer.norm2, layer.eps2),
-                                                                layer.gate_up)), layer.down)
+            x = x + layer.o(attended.view(batch, width, -1))
+            x = x + layer.down(native.silu_mul(layer.gate_up(native.rms_norm(x, layer.norm2, layer.eps2))))
         return native.rms_norm(x, self.norm, self.eps)

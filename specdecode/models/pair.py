@@ -29,10 +29,12 @@ from specdecode.models.seq2seq import Seq2SeqLM
 
 
 # a draft's dtype kernels: "bfloat16-gemv" runs its one-row steps without oneDNN, "bfloat16-sdpa"
-# its steps' attention with SDPA instead of eager; "llama.cpp" runs its GGUF file as it is
+# its steps' attention with SDPA instead of eager, "native" its whole forward on specdecode.native
+# (models/invariant.py; int4 or bfloat16 layers); "llama.cpp" runs its GGUF file as it is
 # (quantization "gguf")
 DRAFT_KERNEL_DTYPES = {"bfloat16": torch.bfloat16, "bfloat16-gemv": torch.bfloat16, "bfloat16-sdpa": torch.bfloat16,
-                       "float32": torch.float32, "float16": torch.float16, "float64": torch.float64, "llama.cpp": None}
+                       "native": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
+                       "float64": torch.float64, "llama.cpp": None}
 # the GGUF weight type llama.cpp converts a target's file to for each kernel (None: as it is)
 LLAMA_WEIGHTS = {TargetKernel.LLAMA_BF16: "bf16", TargetKernel.LLAMA_F32: "f32", TargetKernel.LLAMA_GGUF: None}
 
@@ -152,6 +154,8 @@ class Pair:
             self.draft.backend.one_row_onednn = plan.draft_kernel != "bfloat16-gemv"
             if plan.draft_kernel == "bfloat16-sdpa":
                 self.draft.backend.eager_attention = False
+            if plan.draft_kernel == "native" and invariant_usable(self.draft.backend.model):
+                self.draft.backend.use_invariant_forward()
         if self.draft is not None:
             if draft_tokenizer is not None:  # the draft's own, given for a draft loaded by name or path too
                 self.draft = Loaded(self.draft.backend, draft_tokenizer, self.draft.name, self.draft.weights)

@@ -13,7 +13,7 @@ import torch
 
 from specdecode.native.build import NativeUnavailable, available, isa, load
 
-__all__ = ["NativeUnavailable", "available", "isa", "linear", "rms_norm", "silu_mul", "attention"]
+__all__ = ["NativeUnavailable", "available", "isa", "linear", "linear_q4", "rms_norm", "silu_mul", "attention"]
 
 
 def _threads() -> int:
@@ -33,6 +33,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty((m, n), dtype=torch.float32 if out_float32 else torch.bfloat16)
     load().sd_linear(rows.data_ptr(), m, k, rows.stride(0), weight.data_ptr(), n,
                      None if bias is None else bias.data_ptr(), out.data_ptr(), n, int(out_float32), _threads())
+    return out.view(*x.shape[:-1], n)
+
+
+def linear_q4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, corrections: torch.Tensor,
+              bias: torch.Tensor | None = None, out_float32: bool = False) -> torch.Tensor:
+    """x Wᵀ (+ bias) with 4-bit weights W = c·s + t per group of 32 inputs and x quantized to int8
+    per row (rows.cpp: a draft's products; its numbers are free). x [..., K] bfloat16 (K a
+    multiple of 64); codes [N, K/2] uint8 in rows.cpp's block layout (models.invariant.q4_layout);
+    scales, corrections [N, K/32] float32; bias [N] float32 or None → [..., N] bfloat16 (float32
+    where out_float32)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
+        rows = rows.contiguous()
+    m, k = rows.shape
+    n = codes.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32 if out_float32 else torch.bfloat16)
+    load().sd_linear_q4(rows.data_ptr(), m, k, rows.stride(0), codes.data_ptr(), scales.data_ptr(),
+                        corrections.data_ptr(), n, None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                        int(out_float32), _threads())
     return out.view(*x.shape[:-1], n)
 
 

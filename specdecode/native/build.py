@@ -118,10 +118,11 @@ def load() -> ctypes.CDLL:
     i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.sd_isa.restype = i32
     lib.sd_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32, i32]
+    lib.sd_linear_q4.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i32, i32]
     lib.sd_rms_norm.argtypes = [ptr, i64, i64, ptr, f32, ptr, i32]
     lib.sd_silu_mul.argtypes = [ptr, ptr, i64, i64, i64, ptr, i32]
     lib.sd_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, f32, ptr, i32]
-    for name in ("sd_linear", "sd_rms_norm", "sd_silu_mul", "sd_attention"):
+    for name in ("sd_linear", "sd_linear_q4", "sd_rms_norm", "sd_silu_mul", "sd_attention"):
         getattr(lib, name).restype = None
     return lib
 

@@ -96,6 +96,7 @@ static inline vfloat vexp(vfloat x) {
 static inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
 static inline vfloat vset(float v) { return _mm512_set1_ps(v); }
+static inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 #elif SD_ISA == 1
 typedef __m256 vfloat;
 static const int VL = 8;
@@ -121,6 +122,7 @@ static inline vfloat vexp(vfloat x) {
 static inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
 static inline vfloat vset(float v) { return _mm256_set1_ps(v); }
+static inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
 #else
 static const int VL = 1;
 #endif
@@ -303,6 +305,127 @@ static void rows_of(const bf16* x, int64_t ldx, int64_t M, const bf16* w, int64_
 static const int NT = 4;       // weight rows a tile streams together (a thread's unit of work)
 static const int64_t MB = 64;  // rows per pass over the weights (a wide prompt read keeps them in cache)
 
+// ---------------------------------------------------------------------------------------------
+// 4-bit products for a draft model (its numbers are free: the verifier needs only the q it
+// sampled from, paper §2.3). Weights: codes c in 0..15 in blocks of 64 inputs, 32 bytes a block,
+// byte j holding input j (low nibble) and input 32 + j (high nibble); per group of 32 inputs a
+// scale s and a correction t = zero − 8·s, so W = c·s + t. Activations stay bfloat16:
+//   y = Σ_g (s_g · Σ_{i∈g} c_i·x_i + t_g · Σ_{i∈g} x_i),
+// the codes widened to bfloat16 exactly (0..15), products accumulated in float32 in a fixed order
+// per row (batch-invariant like the rest).
+
+// per row and group of 32 inputs, Σ x (float32, in input order)
+static std::vector<float> group_sums(const bf16* x, int64_t M, int64_t K, int64_t ldx) {
+    std::vector<float> sums(M * (K / 32));
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < K / 32; ++g) {
+            float total = 0.0f;
+            for (int64_t k = g * 32; k < g * 32 + 32; ++k) total += bf16_to_f32(x[m * ldx + k]);
+            sums[m * (K / 32) + g] = total;
+        }
+    return sums;
+}
+
+// Σ a·b over n floats in a fixed order (vector lanes by index, then their fixed sum)
+static float dot_f32(const float* a, const float* b, int64_t n) {
+#if SD_ISA >= 1
+    vfloat acc = vset(0.0f);
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) acc = vfma(vload(a + i), vload(b + i), acc);
+    float tail[VL] = {0}, other[VL] = {0};
+    std::memcpy(tail, a + i, (n - i) * sizeof(float));
+    std::memcpy(other, b + i, (n - i) * sizeof(float));
+    return hsum(vfma(vload(tail), vload(other), acc));
+#else
+    float total = 0.0f;
+    for (int64_t i = 0; i < n; ++i) total = std::fma(a[i], b[i], total);
+    return total;
+#endif
+}
+
+template <int MG>
+static void q4_tile(const bf16* x, int64_t ldx, const float* xsums, int64_t m0, const uint8_t* codes, const float* s,
+                    const float* t, int64_t K, float bias, int64_t n, void* y, int64_t ldy, bool out_f32) {
+    const int64_t groups = K / 32;
+    float sums[MG];
+#if SD_ISA == 2
+    static const __m512i table = _mm512_set_epi16(  // bfloat16 of 0..15, twice
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040,
+        0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
+        0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    __m512 acc[MG][2];  // two chains per row (the block's halves): a one-row step is latency-bound
+    for (int i = 0; i < MG; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < K / 64; ++b) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * b));
+        const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(packed, low)), table);
+        const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(
+            _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low)), table);
+        const __m512 s0 = _mm512_set1_ps(s[2 * b]), s1 = _mm512_set1_ps(s[2 * b + 1]);
+        for (int i = 0; i < MG; ++i) {
+            const bf16* row = x + (m0 + i) * ldx + 64 * b;
+            acc[i][0] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), load_bh(row), w0), s0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), load_bh(row + 32), w1), s1, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < MG; ++i) sums[i] = hsum(_mm512_add_ps(acc[i][0], acc[i][1]));
+#elif SD_ISA == 1
+    __m256 acc[MG];
+    for (int i = 0; i < MG; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 64; ++b)
+        for (int h = 0; h < 2; ++h) {
+            const __m256 scale = _mm256_set1_ps(s[2 * b + h]);
+            for (int part = 0; part < 4; ++part) {  // 8 codes at a time
+                const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 32 * b + 8 * part));
+                const __m128i nib = h ? _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0f))
+                                      : _mm_and_si128(bytes, _mm_set1_epi8(0x0f));
+                const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib)), scale);
+                for (int i = 0; i < MG; ++i)
+                    acc[i] = _mm256_fmadd_ps(load8(x + (m0 + i) * ldx + 64 * b + 32 * h + 8 * part), w, acc[i]);
+            }
+        }
+    for (int i = 0; i < MG; ++i) sums[i] = hsum(acc[i]);
+#else
+    for (int i = 0; i < MG; ++i) {
+        float total = 0.0f;
+        for (int64_t b = 0; b < K / 64; ++b)
+            for (int h = 0; h < 2; ++h) {
+                float dot = 0.0f;
+                for (int j = 0; j < 32; ++j) {
+                    const int c = h ? codes[32 * b + j] >> 4 : codes[32 * b + j] & 15;
+                    dot = std::fma(static_cast<float>(c), bf16_to_f32(x[(m0 + i) * ldx + 64 * b + 32 * h + j]), dot);
+                }
+                total = std::fma(dot, s[2 * b + h], total);
+            }
+        sums[i] = total;
+    }
+#endif
+    for (int i = 0; i < MG; ++i) {
+        const float v = sums[i] + dot_f32(t, xsums + (m0 + i) * groups, groups) + bias;
+        if (out_f32)
+            static_cast<float*>(y)[(m0 + i) * ldy + n] = v;
+        else
+            static_cast<bf16*>(y)[(m0 + i) * ldy + n] = f32_to_bf16(v);
+    }
+}
+
+static const int Q4_ROWS = 8;  // activation rows per pass over a weight row
+
+#define SD_Q4_CASE(G) case G: q4_tile<G>(x, ldx, xsums, m, codes, s, t, K, bias, n, y, ldy, out_f32); break;
+
+static void q4_row(const bf16* x, int64_t ldx, const float* xsums, int64_t M, const uint8_t* codes, const float* s,
+                   const float* t, int64_t K, float bias, int64_t n, void* y, int64_t ldy, bool out_f32) {
+    for (int64_t m = 0; m < M;) {
+        const int g = static_cast<int>(std::min<int64_t>(M - m, Q4_ROWS));
+        switch (g) {
+            SD_Q4_CASE(1) SD_Q4_CASE(2) SD_Q4_CASE(3) SD_Q4_CASE(4)
+            SD_Q4_CASE(5) SD_Q4_CASE(6) SD_Q4_CASE(7) SD_Q4_CASE(8)
+            default: break;
+        }
+        m += g;
+    }
+}
+
 extern "C" {
 
 int sd_isa() { return SD_ISA; }
@@ -436,6 +559,20 @@ void sd_attention(const bf16* q, int64_t B, int64_t T, int64_t Hq, int64_t D, co
             bf16* o = out + ((b * T + t) * Hq + h) * D;
             for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(acc[d] / total);
         }
+    }
+}
+
+// y[M, N] = x[M, K] · Wᵀ (+ bias) with W in the 4-bit layout above: codes [N, K/2] bytes, s and t
+// [N, K/32] floats; K a multiple of 64. y bfloat16, or float32 where out_f32.
+void sd_linear_q4(const bf16* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes, const float* s,
+                  const float* t, int64_t N, const float* bias, void* y, int64_t ldy, int out_f32, int threads) {
+    const std::vector<float> xsums = group_sums(x, M, K, ldx);
+    const int64_t groups = K / 32;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; ++n) {
+        __builtin_prefetch(codes + (n + 8) * (K / 2), 0, 1);  // a later row, ahead of its turn
+        q4_row(x, ldx, xsums.data(), M, codes + n * (K / 2), s + n * groups, t + n * groups, K,
+               bias ? bias[n] : 0.0f, n, y, ldy, out_f32);
     }
 }
 

@@ -112,15 +112,16 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None) -
 
 def _invariant_candidate(config: DecoderConfig, device) -> bool:
     """Whether the batch-invariant kernels may run the target: asked for or left to "auto", a
-    torch target on the CPU, and kernels that build here (specdecode.native; the model's kind is
-    checked once it is loaded)."""
+    torch target on the CPU, and kernels that build here with vector instructions
+    (specdecode.native; the model's kind is checked once it is loaded)."""
     if config.batch_invariant is False or config.uses_llama_cpp or config.backend == "llama.cpp" \
             or device.type != "cpu" or config.device_map is not None:
         return False
     if config.batch_invariant is True:
         native.load()  # raises NativeUnavailable, which says what to install
         return True
-    return native.available()
+    # the portable build (no AVX2) is correct but several times slower than torch: asked for only
+    return native.available() and native.isa() != "portable"
 
 
 def _quantization(config: DecoderConfig) -> str:

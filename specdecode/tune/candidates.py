@@ -6,9 +6,10 @@ oneDNN for torch's own matrix-vector kernels, float32 with oneDNN-packed weights
 (specdecode.models.packed), and, with llama-cpp-python and a GGUF file, llama.cpp on a BF16 GGUF
 of the same weights (dtype="gguf": llama.cpp on the file as it is). The draft, whose dtype is free
 (the verifier needs only its q): each of its kernels (int4, int8, its float weights; only the one
-asked for when quantize_draft is given) in bfloat16 three ways (oneDNN, torch's matrix-vector
-kernels, and SDPA instead of eager attention in its steps: which is faster differs by CPU), the
-integer kernels with float32 activations, and its GGUF file as it is on llama.cpp.
+asked for when quantize_draft is given) in bfloat16 four ways (oneDNN, torch's matrix-vector
+kernels, SDPA instead of eager attention in its steps: which is faster differs by CPU, and the
+whole forward on specdecode.native, "native"), the integer kernels with float32 activations, and
+its GGUF file as it is on llama.cpp.
 
 Memory. Candidates are loaded one target at a time and freed before the next, so the peak is the
 largest candidate, not their sum. The float32 target (twice the bfloat16 bytes, plus a packed
@@ -196,14 +197,20 @@ def _time_drafts(loaders: Loaders, kinds: tuple[str, ...], context: list[int], s
             sizes[kind, "llama.cpp"] = DRAFT_SIZES
         else:
             model = loaders.draft(kind, torch.bfloat16)
-            for kernel in ("bfloat16", "bfloat16-gemv", "bfloat16-sdpa"):
+            for kernel in ("bfloat16", "bfloat16-gemv", "bfloat16-sdpa", "native"):
                 backend = loaders.backend(model, True)
                 if kernel == "bfloat16-sdpa" and not getattr(backend, "eager_attention", False):
                     continue  # SDPA already: nothing else to time
+                if kernel == "native":
+                    try:  # the whole forward on specdecode.native (its own prompt read: timed too)
+                        backend.use_invariant_forward()
+                    except (ValueError, RuntimeError):  # another kind of model, or no kernels here
+                        continue
                 backend.one_row_onednn = kernel != "bfloat16-gemv"
                 if kernel == "bfloat16-sdpa":
                     backend.eager_attention = False
-                backends[kind, kernel], sizes[kind, kernel] = backend, DRAFT_SIZES if kernel == "bfloat16" else (1,)
+                backends[kind, kernel] = backend
+                sizes[kind, kernel] = DRAFT_SIZES if kernel in ("bfloat16", "native") else (1,)
             if kind in QUANTIZED_KINDS:
                 backends[kind, "float32"] = loaders.backend(loaders.draft(kind, torch.float32), True)
                 sizes[kind, "float32"] = DRAFT_SIZES
