@@ -64,16 +64,25 @@ class _Bfloat16:
 
 
 class _Int4:
-    """A product on a prepared draft's int4 weights in rows.cpp's layout (native.linear_q4)."""
+    """A product on a prepared draft's int4 weights in rows.cpp's layout (native.linear_q4); calls
+    of WIDE_ROWS rows or more (a draft's prompt read) go to the layers' own torch kernel, whose
+    tiled product is several times faster there (the draft's numbers are free)."""
 
-    def __init__(self, codes, scales, corrections, bias):
+    WIDE_ROWS = 16
+
+    def __init__(self, codes, scales, corrections, bias, layers: list, rows: int | None = None):
         self.codes, self.scales, self.corrections, self.bias = codes, scales, corrections, bias
+        self.layers, self.rows = layers, rows
 
     def __call__(self, x: torch.Tensor, out_float32: bool = False) -> torch.Tensor:
+        if x.numel() // x.shape[-1] >= self.WIDE_ROWS:
+            out = torch.cat([layer(x) for layer in self.layers], dim=-1)[..., :self.rows]
+            return out.float() if out_float32 else out
         return native.linear_q4(x, self.codes, self.scales, self.corrections, self.bias, out_float32)
 
     def first_rows(self, n: int) -> "_Int4":
-        return _Int4(self.codes[:n], self.scales[:n], self.corrections[:n], None if self.bias is None else self.bias[:n])
+        return _Int4(self.codes[:n], self.scales[:n], self.corrections[:n],
+                     None if self.bias is None else self.bias[:n], self.layers, n)
 
 
 def q4_layout(layer: Int4Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -96,7 +105,7 @@ def _fused(linears: list, share: bool):
                           else torch.zeros(layer.out_features) for layer in linears]).contiguous()
     if isinstance(linears[0], Int4Linear):
         parts = [q4_layout(layer) for layer in linears]
-        return _Int4(*(torch.cat([part[i] for part in parts]).contiguous() for i in range(3)), bias)
+        return _Int4(*(torch.cat([part[i] for part in parts]).contiguous() for i in range(3)), bias, linears)
     weight = torch.cat([layer.weight.detach() for layer in linears]).contiguous()
     if share:
         start = 0
