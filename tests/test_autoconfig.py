@@ -188,3 +188,16 @@ def test_float32_candidates_work_on_a_model_transformers_marks_quantized():
     with pytest.raises(ValueError):
         model.float()
     assert next(tune.float32(model).parameters()).dtype == torch.float32
+
+
+def test_the_tune_command_times_again_and_prints_the_table(model_dirs, cache, timed_when_tiny, capsys):
+    from specdecode.cli import main
+
+    stale = Choice("bfloat16", None, None, 0, 1.0, 1.0, notes=("stale",))
+    _cached(model_dirs, stale)
+    assert main(["tune", "--target", model_dirs["target"], "--draft", model_dirs["draft"], "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "target: step" in out and out.strip().splitlines()[-1].startswith("chose: ")
+    assert choice_cache.load_choice(_key(model_dirs)).notes != ("stale",)  # replaced
+    with pytest.raises(SystemExit, match="^2$"):
+        main(["tune", "--dtype", "float32"])

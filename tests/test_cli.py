@@ -323,3 +323,24 @@ def test_an_invalid_schema_or_grammar_exits_2_with_the_engines_message(model_dir
     with pytest.raises(SystemExit, match="^2$"):
         main(base + ["--json-schema", str(schema)])
     assert "is not JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "x", "--temperature", "abc"], "--temperature"),
+    (["generate", "x", "--dtype", "bf16"], "--dtype"),
+    (["generate", "x", "--logprobs", "30", "--json"], "--logprobs"),
+    (["batch", "in.jsonl", "--output", "out.jsonl", "--seed", "-3"], "--seed"),
+])
+def test_a_usage_error_is_one_line_naming_the_command_and_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit, match="^2$"):
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"specdecode {argv[0]}: error: ") and flag in err[0], err
+
+
+def test_version(capsys):
+    from specdecode import __version__
+
+    with pytest.raises(SystemExit, match="^0$"):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"specdecode {__version__}"

@@ -18,6 +18,7 @@ def spin(seconds: float) -> None:
         pass
 
 
+@pytest.mark.slow  # it measures other processes' CPU use: load-dependent, kept out of the quick loop
 def test_the_watch_counts_another_process_that_keeps_a_core_busy():
     child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 3\n"
                               "while time.monotonic() < end: pass"])
@@ -30,6 +31,7 @@ def test_the_watch_counts_another_process_that_keeps_a_core_busy():
     assert watch.others_cores > 0.6 and watch.busy, watch.others_cores
 
 
+@pytest.mark.slow
 def test_the_watch_leaves_out_this_processs_own_work():
     # against a window of the same length in which this process sleeps: whatever else runs here
     # shows in both, this process's own core in neither

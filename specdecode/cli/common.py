@@ -111,6 +111,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="do not apply the target's generation_config defaults (by default its "
                              "repetition_penalty and no_repeat_ngram_size apply, exactly; other values it sets "
                              "are named in a warning and not applied)")
+    parser.add_argument("--threads", "-t", type=int, default=None, metavar="N",
+                        help="CPU threads for torch and llama.cpp (default: torch's, one per core); the choice of "
+                             "kernels is timed and cached per thread count")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress messages, progress bars or summary on stderr (errors still print)")
 
@@ -127,6 +130,12 @@ def decoder_config(args, parser: argparse.ArgumentParser, **extra) -> DecoderCon
                   quantize_draft=args.quantize_draft, guard=args.guard, dtype=args.dtype, backend=args.backend,
                   batch_invariant={"auto": "auto", "on": True, "off": False}[args.batch_invariant],
                   device_map=args.device_map, use_generation_config=not args.ignore_generation_config)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         return DecoderConfig(**{**fields, **extra}).validate()
     except ValueError as err:

@@ -106,6 +106,8 @@ def _fused(linears: list, share: bool):
     if isinstance(linears[0], Int4Linear):
         parts = [q4_layout(layer) for layer in linears]
         return _Int4(*(torch.cat([part[i] for part in parts]).contiguous() for i in range(3)), bias, linears)
+    if len(linears) == 1:  # nothing to fuse: the layer's own weight, no copy
+        return _Bfloat16(linears[0].weight.detach().contiguous(), bias)
     weight = torch.cat([layer.weight.detach() for layer in linears]).contiguous()
     if share:
         start = 0
