@@ -138,7 +138,7 @@ def test_a_pair_sharing_too_few_token_strings_is_refused():
     draft_tok = char_tokenizer({**{f"d{i}": i for i in range(2100)}, **{c: 2100 + i for i, c in enumerate("abcdefghijk")},
                                 "?": 2111})
     with pytest.raises(ValueError, match="share 12 token strings .* too few"):
-        CrossVocabProposer(TableModel(2112, seed=0), draft_tok, target_tok, 2112)
+        CrossVocabProposer(HFCausalLM(tiny_llama(0, hidden=32, vocab=2112)), draft_tok, target_tok, 2112)
 
 
 def test_tli_one_step_by_enumeration_gives_p_exactly():
