@@ -195,3 +195,12 @@ def test_4bit_linear_computes_the_dequantized_weights_and_rows_alike(n, k):
         assert torch.equal(y, alone[:m])
         torch.testing.assert_close(y.double(), reference[:m], atol=1e-4, rtol=1e-5)
     assert native.linear_q4(x[:3], codes, scales, corrections).dtype == torch.bfloat16
+
+
+def test_without_a_compiler_the_kernels_are_unavailable_with_a_line_saying_what_to_install(tmp_path):
+    env = {**os.environ, "CXX": "", "PATH": str(tmp_path), "SPECDECODE_CACHE": str(tmp_path / "cache")}
+    code = ("from specdecode.native import build\n"
+            "build.load.cache_clear()\n"
+            "try:\n    build.load()\nexcept build.NativeUnavailable as err:\n    print('unavailable:', err)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "unavailable: no C++ compiler" in done.stdout and "g++" in done.stdout, done.stderr

@@ -20,17 +20,23 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
+def _rows_and_output(x: torch.Tensor, n: int, out_float32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as rows [M, K] with unit stride along K (a view where it already is one), and an empty
+    output [M, n] for them."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
+        rows = rows.contiguous()
+    return rows, torch.empty((rows.shape[0], n), dtype=torch.float32 if out_float32 else torch.bfloat16)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_float32: bool = False) -> torch.Tensor:
     """x Wᵀ (+ bias): x [..., K] bfloat16, weight [N, K] bfloat16 contiguous, bias [N] float32
     contiguous or None → [..., N] bfloat16 (float32 where out_float32: an LM head's logits).
     Each weight is read once per call for up to 64 rows."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
-        rows = rows.contiguous()
+    rows, out = _rows_and_output(x, weight.shape[0], out_float32)
     m, k = rows.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=torch.float32 if out_float32 else torch.bfloat16)
     load().sd_linear(rows.data_ptr(), m, k, rows.stride(0), weight.data_ptr(), n,
                      None if bias is None else bias.data_ptr(), out.data_ptr(), n, int(out_float32), _threads())
     return out.view(*x.shape[:-1], n)
@@ -43,12 +49,9 @@ def linear_q4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, correc
     multiple of 64); codes [N, K/2] uint8 in rows.cpp's block layout (models.invariant.q4_layout);
     scales, corrections [N, K/32] float32; bias [N] float32 or None → [..., N] bfloat16 (float32
     where out_float32)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
-        rows = rows.contiguous()
+    rows, out = _rows_and_output(x, codes.shape[0], out_float32)
     m, k = rows.shape
     n = codes.shape[0]
-    out = torch.empty((m, n), dtype=torch.float32 if out_float32 else torch.bfloat16)
     load().sd_linear_q4(rows.data_ptr(), m, k, rows.stride(0), codes.data_ptr(), scales.data_ptr(),
                         corrections.data_ptr(), n, None if bias is None else bias.data_ptr(), out.data_ptr(), n,
                         int(out_float32), _threads())

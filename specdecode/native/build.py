@@ -89,8 +89,9 @@ def load() -> ctypes.CDLL:
     """The compiled kernels (built on first use, then cached on disk).
 
     Raises:
-        NativeUnavailable: $SPECDECODE_NATIVE=0, no C++ compiler, or a failed build (with the
-            compiler's first error lines).
+        NativeUnavailable: $SPECDECODE_NATIVE=0, no C++ compiler, a failed build (with the
+            compiler's first error lines), a cache folder that cannot be written, or a build that
+            does not load.
     """
     if os.environ.get("SPECDECODE_NATIVE", "1") == "0":
         raise NativeUnavailable("the batch-invariant kernels are turned off ($SPECDECODE_NATIVE=0)")
@@ -100,8 +101,11 @@ def load() -> ctypes.CDLL:
                                 "'apt-get install g++'; until then torch's kernels run)")
     path = library_path()
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.partial")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.partial")
+        except OSError as err:
+            raise NativeUnavailable(f"cannot write the batch-invariant kernels' build to {path.parent}: {err}") from None
         os.close(fd)
         compile_flags, link_flags = _flags()
         done = subprocess.run([compiler, *compile_flags, "-c", str(SOURCE), "-o", tmp + ".o"], capture_output=True,
@@ -114,7 +118,12 @@ def load() -> ctypes.CDLL:
             first = "\n".join(done.stderr.strip().splitlines()[:5])
             raise NativeUnavailable(f"building the batch-invariant kernels failed ({compiler}):\n{first}")
         os.replace(tmp, path)
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as err:  # a build for another machine, a damaged file: built again next time
+        path.unlink(missing_ok=True)
+        raise NativeUnavailable(f"loading the batch-invariant kernels failed ({err}); the next start builds them "
+                                "again") from None
     i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.sd_isa.restype = i32
     lib.sd_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32, i32]
