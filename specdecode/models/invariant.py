@@ -9,15 +9,14 @@ near-tie. Here every product, norm, activation and attention row runs on specdec
 kernels, which compute each row in a fixed order (rows.cpp), and the rest is elementwise torch
 arithmetic that rounds each element alone (residual adds, rotary products, the embedding lookup).
 The same kernels read each weight once for all rows of a call, so a 9-token verify costs about
-one step's memory traffic (docs/results/native_kernels.md).
+1.1-1.5 steps where the step itself is at the memory limit (docs/results/native_kernels_zen4.md).
 
 It replaces transformers' forward for the models `lean.supports` accepts, on the CPU in bfloat16,
-when the target kernel is "bfloat16-invariant" (specdecode.models.pair). A prepared draft's int4
-layers (groups of 32) run on the same kernels' 4-bit product (activations quantized to int8 per
-row): the draft kernel "native", whose numbers only change acceptance, never the output's
-distribution (paper §2.3). q|k|v and gate|up are
+when the target kernel is "bfloat16-invariant" (specdecode.models.pair). q|k|v and gate|up are
 fused into one weight each; on a model this process loaded, the layers' own weights become views
-of the fused copies, so memory does not grow.
+of the fused copies, so memory does not grow. A prepared draft's int4 layers (groups of 32) run on
+the kernels' 4-bit product (the dequantized weights exactly, float32 accumulation): the draft
+kernel "native", whose numbers only change acceptance, never the output's distribution (§2.3).
 """
 
 from __future__ import annotations
@@ -175,7 +174,7 @@ class InvariantDecoder:
         # of the call that asks for them
         base = config.rope_parameters["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
-        self._rope_base, self._inv_freq = base, inv_freq
+        self._inv_freq = inv_freq
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=torch.bfloat16)
         self._rope_table(getattr(config, "max_position_embeddings", None) or 4096)
 

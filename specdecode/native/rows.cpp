@@ -15,10 +15,11 @@
 //   - elementwise work (exp) runs one vector function for every element (tails go through a
 //     padded buffer), so an element's value never depends on where it sits in a call.
 //
-// Memory. The linear kernel reads each weight once per call for up to 16 rows (the verify width):
-// four weight rows are streamed together and each 32-element slice is multiplied into every
-// activation row before the next slice is read, so a 9-row product costs about one row's memory
-// traffic. Weights stay in torch's [N, K] row-major bfloat16 layout: no repacked copy.
+// Memory. The linear kernel streams each weight from memory once per call: four weight rows at a
+// time, each 32-element slice multiplied into up to five activation rows in registers; a verify's
+// further rows find those four weight rows in cache. A 9-row product then costs about one row's
+// memory traffic plus its arithmetic. Weights stay in torch's [N, K] row-major bfloat16 layout: no
+// repacked copy.
 //
 // Instruction sets, chosen when this file is compiled for the machine (specdecode/native/build.py):
 // AVX-512 BF16 (vdpbf16ps), AVX2 + FMA (bfloat16 widened to fp32 exactly), and portable C++.
@@ -44,8 +45,9 @@
 typedef uint16_t bf16;
 
 // How far ahead (elements) the weight stream is requested, into the outer caches. Measured on an
-// AVX-512 BF16 Zen 4 (2 cores, docs/results/native_kernels.md): 1 KiB ahead into L1 left a 9-row
-// product at 1.7 one-row products; 32 KiB ahead into L2/L3 brings it to 1.1.
+// AVX-512 BF16 Zen 4 (2 cores; sweeps of the default target's 3.09 GB of weights): 1 KiB ahead
+// into L1 left a 9-row product at 1.7 one-row products, 32 KiB ahead into L2/L3 at 1.05-1.5
+// (docs/results/native_kernels_zen4.md; the machine's bandwidth varies from run to run).
 #ifndef SD_PREFETCH
 #define SD_PREFETCH 16384
 #endif
