@@ -64,17 +64,19 @@ class _Bfloat16:
 
 class _Int4:
     """A product on a prepared draft's int4 weights in rows.cpp's layout (native.linear_q4); calls
-    of WIDE_ROWS rows or more (a draft's prompt read) go to the layers' own torch kernel, whose
-    tiled product is several times faster there (the draft's numbers are free)."""
+    whose rows hold WIDE_TOKENS tokens or more (a draft's prompt read, read alone) go to the layers'
+    own torch kernel, whose tiled product is faster there. The draft's numbers are free, but a
+    batch's steps stay on the row-invariant kernel, so that a row's drafts do not depend on the
+    other rows (a seeded request's tokens depend on its drafts)."""
 
-    WIDE_ROWS = 16
+    WIDE_TOKENS = 16
 
     def __init__(self, codes, scales, corrections, bias, layers: list, rows: int | None = None):
         self.codes, self.scales, self.corrections, self.bias = codes, scales, corrections, bias
         self.layers, self.rows = layers, rows
 
     def __call__(self, x: torch.Tensor, out_float32: bool = False) -> torch.Tensor:
-        if x.numel() // x.shape[-1] >= self.WIDE_ROWS:
+        if x.dim() > 1 and x.shape[-2] >= self.WIDE_TOKENS:
             out = torch.cat([layer(x) for layer in self.layers], dim=-1)[..., :self.rows]
             return out.float() if out_float32 else out
         return native.linear_q4(x, self.codes, self.scales, self.corrections, self.bias, out_float32)
