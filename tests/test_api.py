@@ -428,3 +428,11 @@ def test_decoder_config_is_importable_from_the_package_and_refuses_infinite_guar
         DecoderConfig(guard_costs=(0.1, float("inf"))).validate()
     with pytest.raises(ValueError, match="finite"):
         DecoderConfig(guard_costs=(float("nan"), 0.1)).validate()
+
+
+def test_a_prompt_of_exactly_the_context_length_can_be_scored_but_not_continued(decoder):
+    limit = decoder.target.backend.max_length
+    scored = decoder.generate([5] * limit, max_new_tokens=0, prompt_logprobs=1)
+    assert len(scored.prompt_logprobs) == limit and scored.token_ids == []
+    with pytest.raises(ValueError, match="no room for a new token"):
+        decoder.generate([5] * limit, max_new_tokens=1)

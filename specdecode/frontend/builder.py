@@ -180,7 +180,8 @@ class RequestBuilder:
                 from None
 
     def check_ids(self, ids: list[int]) -> list[int]:
-        """Raises ValueError for an empty prompt, ids outside the vocabulary or one that fills the context."""
+        """Raises ValueError for an empty prompt, ids outside the vocabulary or one longer than the
+        context (one that fills it exactly can be scored; request() refuses it new tokens)."""
         if not ids:
             raise ValueError("prompt is empty; give at least one character or token id")
         vocab = self.target.vocab_size
@@ -188,13 +189,22 @@ class RequestBuilder:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         limit = self.target.max_length
-        if limit is not None and len(ids) >= limit:
+        if limit is not None and len(ids) > limit:
             raise ValueError(f"prompt has {len(ids)} tokens; the target's context window is {limit}")
         return ids
 
     def request(self, ids: list[int], config: DecodeConfig) -> Request:
         """The engine Request for validated prompt ids: for an encoder–decoder target they are the
-        encoder's input and the decoder starts from decoder_start_token_id."""
+        encoder's input and the decoder starts from decoder_start_token_id.
+
+        Raises:
+            ValueError: a prompt that fills the context window, with new tokens asked for (it can
+                still be scored: max_new_tokens=0 with prompt_logprobs).
+        """
+        limit = self.target.max_length
+        if not self.is_encoder_decoder and limit is not None and len(ids) >= limit and config.max_new_tokens > 0:
+            raise ValueError(f"prompt has {len(ids)} tokens; the target's context window is {limit}: no room for "
+                             "a new token (max_new_tokens=0 with prompt_logprobs scores it)")
         if self.is_encoder_decoder:
             return Request([self.target.decoder_start_token_id], config, encoder_input_ids=ids)
         return Request(ids, config)
