@@ -7,7 +7,6 @@ import sys
 
 from specdecode.cli.common import (add_model_flags, add_served_name_flag, build_decoder, decoder_config, error,
                                    served_name, stderr_progress)
-from specdecode.scale.rows import RowDefaults
 
 
 def add_parser(sub) -> None:
@@ -74,6 +73,8 @@ def run(args, parser) -> int:
         parser.error("--stop takes non-empty text")
     if args.ray is None and (args.workers != 1 or args.cpus_per_worker is not None):
         parser.error("--workers and --cpus-per-worker need --ray")
+    from specdecode.scale.rows import RowDefaults
+
     defaults = RowDefaults(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                            seed=args.seed, stop=tuple(args.stop), raw=args.raw,
                            model=served_name(args))

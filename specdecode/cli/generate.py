@@ -15,11 +15,11 @@ from specdecode.cli.common import (
     read_prompts_file,
     stderr_progress,
 )
-from specdecode.engine.request import ACCEPTED, BONUS, CORRECTED
 
 # Colours of the paper's Figure 1: green = accepted draft token, blue = target's correction
 # after a rejection; the bonus token (all drafts accepted) gets yellow.
-COLOURS = {ACCEPTED: "\033[32m", CORRECTED: "\033[34m", BONUS: "\033[33m"}
+# a token's origin (engine.request: ACCEPTED, CORRECTED, BONUS) → its colour
+COLOURS = {"accepted": "\033[32m", "corrected": "\033[34m", "bonus": "\033[33m"}
 RESET = "\033[0m"
 
 

@@ -22,8 +22,16 @@ Every backend has (docs/ARCHITECTURE.md; docs/exactness.md rule 5):
     reset()                               drops every row
 """
 
-from specdecode.models.hf import HFCausalLM
-from specdecode.models.seq2seq import Seq2SeqLM
-from specdecode.models.table import TableModel
+import importlib
 
+_NAMES = {"HFCausalLM": "specdecode.models.hf", "Seq2SeqLM": "specdecode.models.seq2seq",
+          "TableModel": "specdecode.models.table"}
 __all__ = ["HFCausalLM", "Seq2SeqLM", "TableModel"]
+
+
+def __getattr__(name: str):  # loaded on first use: the CLI reads zoo names without importing torch
+    if name in _NAMES:
+        value = getattr(importlib.import_module(_NAMES[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'specdecode.models' has no attribute {name!r}")

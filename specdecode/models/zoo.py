@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
 
 ProgressFn = Callable[[str], None]
 
