@@ -11,6 +11,9 @@
    with llama-cpp-python, llama.cpp on a BF16 GGUF of the same weights.
 
     python benchmarks/native_kernels.py --out docs/results/native_kernels_NAME
+Emulating an AVX2-only CPU on an AVX-512 one (torch, oneDNN and specdecode's build capped):
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        SPECDECODE_NATIVE_MARCH=haswell python benchmarks/native_kernels.py --no-llama --out ...
 """
 import argparse
 import json
@@ -54,11 +57,11 @@ def products(rows: list[int], repeats: int) -> dict:
             "ms": {name: {m: 1e3 * best[name, m] for m in rows} for name in kernels}}
 
 
-def forwards(sizes: list[int], repeats: int) -> dict:
+def forwards(sizes: list[int], repeats: int, llama: bool) -> dict:
     model, _ = zoo.load_zoo_model(zoo.DEFAULT_TARGET, torch.bfloat16)
     backends = {"bfloat16": HFCausalLM(model), "bfloat16-invariant": HFCausalLM(model)}
     backends["bfloat16-invariant"].use_invariant_forward(share=True)
-    if llamacpp.available():
+    if llama and llamacpp.available():
         bf16_gguf = llamacpp.converted_gguf(zoo.gguf_file(zoo.DEFAULT_TARGET), "bf16")
         backends["llama.cpp-bf16"] = llamacpp.LlamaCppLM(bf16_gguf, max_rows=1)
     context = [(100 + i * 7919) % 30000 for i in range(64)]
@@ -95,6 +98,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 9, 17])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 5, 9, 17, 64])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-llama", action="store_true",
+                        help="leave llama.cpp out (its build's instruction sets cannot be capped like torch's)")
     parser.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = parser.parse_args()
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": cpu_report(), "isa": native.isa(),
@@ -103,7 +108,7 @@ def main() -> int:
     print(json.dumps(result["machine"]), result["cpu_capability"], result["isa"], flush=True)
     result["products"] = products(args.rows, args.repeats)
     print(json.dumps(result["products"], indent=1), flush=True)
-    result["forwards"] = forwards(args.sizes, args.repeats)
+    result["forwards"] = forwards(args.sizes, args.repeats, not args.no_llama)
     print(json.dumps(result["forwards"], indent=1), flush=True)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
