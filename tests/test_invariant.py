@@ -126,6 +126,7 @@ def greedy_mismatches(model, invariant: bool) -> int:
         spec = run(target, DraftModelProposer(draft), prompt,
                    DecodeConfig(max_new_tokens=80, sampling=greedy, num_speculative_tokens=8))
         assert spec.stats.num_target_calls < 40
+        assert spec.stats.batch_invariant is plain.stats.batch_invariant is invariant
         differ += spec.token_ids != plain.token_ids
     return differ
 

@@ -936,6 +936,7 @@ def same_output_alone_beside_others_after_traffic_and_without_drafts(dirs, invar
             beside = together[0].result()
         info = httpx.get(speculative.url + "/v1/models", timeout=10).json()["data"][0]["specdecode"]
         assert info["batch_invariant"] is (invariant == "on")
+        assert complete(speculative, "ace").model_extra["speculation"]["batch_invariant"] is (invariant == "on")
         return [beside == alone, run(speculative) == alone, run(plain) == alone]
     finally:
         assert speculative.stop() == 0 and plain.stop() == 0

@@ -523,6 +523,8 @@ class Engine:
                 self.proposer.add_row(prompt, encoder_input)
             row = _Row(request_id, request, self.tokenizer, self.proposer is not None, self.device,
                        self.target.vocab_size, self.clock)
+            # whether its logits are the same bits whatever else the target computes (models/invariant.py)
+            row.stats.batch_invariant = bool(getattr(self.target, "batch_invariant", False))
             if scored_row:
                 row.prompt_logprobs = scored_row[0].prompt_logprobs
                 scored.append(row)
