@@ -178,3 +178,20 @@ def test_bad_arguments_raise(kwargs):
     args = dict(targets=AVX2, drafts=AVX2_DRAFTS) | kwargs
     with pytest.raises(ValueError):
         choose(**args)
+
+
+def test_an_invariant_target_within_five_percent_is_preferred_without_changing_whether_drafts_run():
+    from specdecode.tune.costs import DraftCost, TargetCost, choose
+
+    drafts = {("int4", "bfloat16"): DraftCost(0.02, 0.005)}
+    fast = TargetCost(0.100, {2: 1.1, 9: 1.2}, 0.01)
+    near = TargetCost(0.102, {2: 1.1, 9: 1.2}, 0.01)   # within 5%: taken
+    far = TargetCost(0.130, {2: 1.1, 9: 1.2}, 0.01)    # not
+    assert choose({"bfloat16": fast, "bfloat16-invariant": near}, drafts).target_kernel == "bfloat16-invariant"
+    assert choose({"bfloat16": fast, "bfloat16-invariant": far}, drafts).target_kernel == "bfloat16"
+    # where speculation wins narrowly (a dear draft), a plain invariant configuration scoring within
+    # 5% of it is not taken over it: the preference never turns speculation off
+    dear = {("int4", "bfloat16"): DraftCost(0.039, 0.005)}
+    assert choose({"bfloat16": fast}, dear).draft_kernel == "int4"
+    spec = choose({"bfloat16": fast, "bfloat16-invariant": TargetCost(0.101, {2: 5.0, 9: 9.0}, 0.01)}, dear)
+    assert spec.draft_kernel == "int4" and spec.target_kernel == "bfloat16"

@@ -216,7 +216,9 @@ def choose(targets: dict[str, TargetCost], drafts: dict[tuple[str, str], DraftCo
         scored = scored[len(targets):]
     # the first of equal scores wins: plain decoding before speculation, kernels in the order given
     best_score, best = max(scored, key=lambda pair: pair[0])
-    invariant = [pair for pair in scored if is_invariant(pair[1].target_kernel)]
+    # (of the same kind as the best: the preference never turns speculation on or off)
+    invariant = [pair for pair in scored if is_invariant(pair[1].target_kernel)
+                 and (pair[1].draft_kernel is None) == (best.draft_kernel is None)]
     if invariant:
         score, choice = max(invariant, key=lambda pair: pair[0])
         if score >= (1 - INVARIANT_TOLERANCE) * best_score:
