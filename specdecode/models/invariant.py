@@ -202,7 +202,8 @@ class InvariantDecoder:
         x = self.embed(input_ids)
         self._rope_table(int(position_ids.max()) + 1)
         cos, sin = self._cos[position_ids][:, :, None], self._sin[position_ids][:, :, None]  # [B, T, 1, D]
-        allowed = None if attention_mask is None else attention_mask[:, 0] == 0
+        # once per forward, in the bytes the kernel reads (every layer attends with the same mask)
+        allowed = None if attention_mask is None else (attention_mask[:, 0] == 0).to(torch.uint8).contiguous()
         dim = self.head_dim
         for index, layer in enumerate(self.layers):
             h = native.rms_norm(x, layer.norm1, layer.eps1)

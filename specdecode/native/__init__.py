@@ -83,14 +83,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     """Softmax attention of each query row over the cache slots it may see.
 
     q [B, T, Hq, D] bfloat16; k, v [B, Hkv, S, D] bfloat16 (Hq a multiple of Hkv); allowed
-    [B, T, S] bool (True: visible) or None (query t sees slots 0 … S − T + t); scale: the
+    [B, T, S] bool or uint8 (nonzero: visible) or None (query t sees slots 0 … S − T + t); scale: the
     scores' factor → [B, T, Hq, D] bfloat16.
     """
     q = q.contiguous()
     k, v = k.contiguous(), v.contiguous()
     batch, width, heads, dim = q.shape
     kv_heads, slots = k.shape[1], k.shape[2]
-    mask = None if allowed is None else allowed.to(torch.uint8).contiguous()
+    mask = None if allowed is None else allowed.to(torch.uint8).contiguous()  # no copy for contiguous bytes
     out = torch.empty_like(q)
     load().sd_attention(q.data_ptr(), batch, width, heads, dim, k.data_ptr(), v.data_ptr(), kv_heads, slots,
                         k.stride(0), k.stride(1), None if mask is None else mask.data_ptr(), scale, out.data_ptr(),
