@@ -204,3 +204,90 @@ def test_without_a_compiler_the_kernels_are_unavailable_with_a_line_saying_what_
             "try:\n    build.load()\nexcept build.NativeUnavailable as err:\n    print('unavailable:', err)\n")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert "unavailable: no C++ compiler" in done.stdout and "g++" in done.stdout, done.stderr
+
+
+# --- K-quant blocks as a GGUF file stores them (kquants.cpp) ----------------------------------
+
+def kquant_blocks(kind: str, n: int, k: int, seed: int):
+    """n rows of k inputs in random but valid `kind` blocks (every byte pattern is a valid block
+    once its float16 scales are finite), and their dequantization by the gguf package (an
+    independent reading of the format) as float64 [n, k]."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(seed)
+    size = {"Q4_K": 144, "Q6_K": 210}[kind]
+    blocks = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
+    scale = (rng.uniform(0.002, 0.02, size=(n, k // 256)).astype(np.float16)).view(np.uint8).reshape(n, k // 256, 2)
+    if kind == "Q4_K":
+        blocks[..., 0:2] = scale
+        blocks[..., 2:4] = (rng.uniform(0.0, 0.01, size=(n, k // 256)).astype(np.float16)).view(np.uint8).reshape(
+            n, k // 256, 2)
+    else:
+        blocks[..., 208:210] = scale
+    blocks = np.ascontiguousarray(blocks.reshape(n, -1))
+    dequantized = quants.dequantize(blocks, getattr(GGMLQuantizationType, kind)).astype(np.float64).reshape(n, k)
+    return blocks, torch.from_numpy(dequantized)
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernels quantize it: per row and block of 256, max|x|/127 · round(x·127/max|x|)
+    (float32 arithmetic), as float64."""
+    blocks = x.float().view(x.shape[0], -1, 256)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # 127/max|x| rounded once (float64 division, then float32), as C's float division rounds it
+    inverse = torch.where(amax > 0, (127.0 / amax.double()).float(), torch.zeros_like(amax))
+    codes = torch.round(blocks * inverse).clamp(-127, 127)
+    return (codes.double() * (amax.double() / 127.0).float().double()).view_as(x)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("n,k", [(5, 256), (37, 1536), (9, 2304)])
+def test_kquant_linear_computes_the_files_blocks_and_rows_alike(kind, n, k):
+    blocks, dequantized = kquant_blocks(kind, n, k, seed=n + k)
+    weights = native.KQuantWeights([(blocks, kind)], k)
+    x = bf16(max(ROWS), k, seed=31)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(32))
+    alone = rows_alone(lambda r: native.linear_kq(r, weights, bias, out_float32=True), x)
+    # exact integers per block, float32 scale products: within float32 accumulation of the int8 rows
+    reference = int8_rows(x) @ dequantized.T + bias.double()
+    bound = int8_rows(x).abs() @ dequantized.abs().T
+    for m in ROWS:
+        y = native.linear_kq(x[:m], weights, bias, out_float32=True)
+        assert y.shape == (m, n) and torch.equal(y, alone[:m]), f"{m} rows round differently from one"
+        assert bool(((y.double() - reference[:m]).abs() <= 1e-5 * bound[:m] + 1e-5).all())
+    # and within the activations' 8-bit rounding of the float64 product of the unquantized rows
+    exact = x.double() @ dequantized.T + bias.double()
+    assert float((alone.double() - exact).abs().max()) <= 0.02 * float((x.double().abs() @ dequantized.abs().T).max())
+    assert native.linear_kq(x[:3], weights).dtype == torch.bfloat16
+
+
+def test_kquant_parts_side_by_side_equal_each_part_alone():
+    q4, _ = kquant_blocks("Q4_K", 12, 512, seed=1)
+    q6, _ = kquant_blocks("Q6_K", 7, 512, seed=2)
+    x = bf16(9, 512, seed=3)
+    both = native.linear_kq(x, native.KQuantWeights([(q4, "Q4_K"), (q6, "Q6_K")], 512), out_float32=True)
+    assert torch.equal(both[:, :12], native.linear_kq(x, native.KQuantWeights([(q4, "Q4_K")], 512), out_float32=True))
+    assert torch.equal(both[:, 12:], native.linear_kq(x, native.KQuantWeights([(q6, "Q6_K")], 512), out_float32=True))
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(both, native.linear_kq(x, native.KQuantWeights([(q4, "Q4_K"), (q6, "Q6_K")], 512),
+                                                  out_float32=True))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_kquant_refuses_other_shapes_and_types_and_propagates_nan():
+    q4, _ = kquant_blocks("Q4_K", 4, 256, seed=4)
+    with pytest.raises(ValueError, match="Q4_K, Q6_K"):
+        native.KQuantWeights([(q4, "Q8_0")], 256)
+    with pytest.raises(ValueError, match=r"\[N, 144\]"):
+        native.KQuantWeights([(q4[:, :100], "Q4_K")], 256)
+    weights = native.KQuantWeights([(q4, "Q4_K")], 256)
+    with pytest.raises(ValueError, match="inputs"):
+        native.linear_kq(bf16(1, 512), weights)
+    x = bf16(2, 256, seed=5)
+    x[1, 7] = float("nan")
+    y = native.linear_kq(x, weights, out_float32=True)
+    assert bool(y[0].isfinite().all()) and bool(y[1].isnan().all())

@@ -120,16 +120,21 @@ def _fused(linears: list, share: bool):
 
 
 class _Layer:
-    def __init__(self, layer, share: bool):
+    """One decoder layer's products (fused q|k|v and gate|up), norms and their epsilons."""
+
+    def __init__(self, qkv, splits: list[int], o, gate_up, down, norm1, norm2, eps1: float, eps2: float):
+        self.qkv, self.splits, self.o, self.gate_up, self.down = qkv, splits, o, gate_up, down
+        self.norm1, self.norm2, self.eps1, self.eps2 = norm1, norm2, eps1, eps2
+
+    @classmethod
+    def of(cls, layer, share: bool) -> "_Layer":
+        """A transformers layer's, on its own weights (see _fused)."""
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj], share)
-        self.splits = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-        self.o = _fused([attn.o_proj], False)
-        self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], share)
-        self.down = _fused([mlp.down_proj], False)
-        self.norm1, self.eps1 = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
-        self.norm2 = layer.post_attention_layernorm.weight.detach()
-        self.eps2 = layer.post_attention_layernorm.variance_epsilon
+        return cls(_fused([attn.q_proj, attn.k_proj, attn.v_proj], share),
+                   [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features],
+                   _fused([attn.o_proj], False), _fused([mlp.gate_proj, mlp.up_proj], share), _fused([mlp.down_proj], False),
+                   layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                   layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon)
 
 
 class InvariantDecoder:
@@ -155,19 +160,29 @@ class InvariantDecoder:
         if not usable(model):
             raise ValueError("the batch-invariant forward runs bfloat16 Llama/Qwen2 decoders (bfloat16 or a "
                              "draft's int4 layers) on the CPU")
-        native.load()
-        config = model.config
-        decoder = model.get_decoder()
-        self.embed = decoder.embed_tokens
-        self.layers = [_Layer(layer, share) for layer in decoder.layers]
-        self.norm, self.eps = decoder.norm.weight.detach(), decoder.norm.variance_epsilon
         head = model.get_output_embeddings()
-        if head.bias is not None or any(getattr(config, a, None) for a in
-                                        ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+        if head.bias is not None:
             raise ValueError("the batch-invariant forward needs a plain linear LM head")
-        self._head = _fused([head], False)
-        if vocab_limit is not None and vocab_limit < head.out_features:
-            self._head = self._head.first_rows(vocab_limit)
+        decoder = model.get_decoder()
+        self._setup(model.config, decoder.embed_tokens, [_Layer.of(layer, share) for layer in decoder.layers],
+                    decoder.norm.weight.detach(), decoder.norm.variance_epsilon, _fused([head], False), vocab_limit)
+
+    @classmethod
+    def of_parts(cls, config, embed, layers: list[_Layer], norm: torch.Tensor, eps: float, head,
+                 vocab_limit: int | None = None) -> "InvariantDecoder":
+        """A decoder from its parts (models.kquant builds one from a GGUF file's own blocks): embed
+        maps ids [B, T] long to bfloat16 [B, T, hidden]; layers and head hold products (_Bfloat16,
+        _Int4 or a kquant product: called as product(x, out_float32), first_rows(n))."""
+        decoder = cls.__new__(cls)
+        decoder._setup(config, embed, layers, norm, eps, head, vocab_limit)
+        return decoder
+
+    def _setup(self, config, embed, layers, norm, eps, head, vocab_limit) -> None:
+        if any(getattr(config, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+            raise ValueError("the batch-invariant forward needs a plain linear LM head")
+        native.load()
+        self.embed, self.layers, self.norm, self.eps = embed, layers, norm, eps
+        self._head = head if vocab_limit is None else head.first_rows(vocab_limit)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -1,4 +1,5 @@
-"""Batch-invariant CPU kernels for bfloat16 decoders (rows.cpp, built on first use: build.py).
+"""Batch-invariant CPU kernels for decoders: bfloat16 (rows.cpp) and a GGUF file's K-quant blocks
+(kquants.cpp), built on first use (build.py).
 
 Each function computes every row of its output with the same arithmetic whatever the number of
 rows in the call, the other rows and the thread count (see rows.cpp), so a k-token verify equals
@@ -9,11 +10,18 @@ kernels need it and pass pointers.
 
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 import torch
 
 from specdecode.native.build import NativeUnavailable, available, isa, load
 
-__all__ = ["NativeUnavailable", "available", "isa", "linear", "linear_q4", "rms_norm", "silu_mul", "attention"]
+__all__ = ["NativeUnavailable", "available", "isa", "linear", "linear_q4", "KQuantWeights", "linear_kq", "rms_norm",
+           "silu_mul", "attention"]
+
+# GGML type ids of the blocks linear_kq reads
+KQUANT_TYPES = {"Q4_K": 12, "Q6_K": 14}
 
 
 def _threads() -> int:
@@ -44,8 +52,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def linear_q4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, corrections: torch.Tensor,
               bias: torch.Tensor | None = None, out_float32: bool = False) -> torch.Tensor:
-    """x Wᵀ (+ bias) with 4-bit weights W = c·s + t per group of 32 inputs and x quantized to int8
-    per row (rows.cpp: a draft's products; its numbers are free). x [..., K] bfloat16 (K a
+    """x Wᵀ (+ bias) with 4-bit weights W = c·s + t per group of 32 inputs, x in bfloat16
+    (rows.cpp: a draft's products; its numbers are free). x [..., K] bfloat16 (K a
     multiple of 64); codes [N, K/2] uint8 in rows.cpp's block layout (models.invariant.q4_layout);
     scales, corrections [N, K/32] float32; bias [N] float32 or None → [..., N] bfloat16 (float32
     where out_float32)."""
@@ -56,6 +64,58 @@ def linear_q4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, correc
                         corrections.data_ptr(), n, None if bias is None else bias.data_ptr(), out.data_ptr(), n,
                         int(out_float32), _threads())
     return out.view(*x.shape[:-1], n)
+
+
+class KQuantWeights:
+    """Weight matrices in a GGUF file's own K-quant blocks, read by linear_kq side by side as one
+    product (e.g. a layer's q, k and v, whatever type each is stored in), never copied.
+
+    Args:
+        parts: [(blocks, type)]: blocks a uint8 array [N, K/256 · block bytes] (numpy, e.g. a
+            memory map of the file, or torch; C-contiguous), type "Q4_K" or "Q6_K".
+        inputs: K, a multiple of 256.
+    Raises:
+        ValueError: another type, a K that is not a multiple of 256, rows of the wrong length.
+        NativeUnavailable: no kernels here.
+    """
+
+    def __init__(self, parts: list, inputs: int):
+        lib = load()
+        self.inputs, self._keep = inputs, []
+        pointers, types, rows = [], [], []
+        for blocks, kind in parts:
+            if kind not in KQUANT_TYPES:
+                raise ValueError(f"the K-quant kernels read {', '.join(KQUANT_TYPES)} blocks, not {kind}")
+            row_bytes = lib.sd_kq_row_bytes(KQUANT_TYPES[kind], inputs)
+            array = blocks.numpy() if isinstance(blocks, torch.Tensor) else np.asarray(blocks)
+            if row_bytes < 0 or array.dtype != np.uint8 or array.ndim != 2 or array.shape[1] != row_bytes \
+                    or not array.flags.c_contiguous:
+                raise ValueError(f"{kind} rows of {inputs} inputs: expected a C-contiguous uint8 array [N, {row_bytes}], "
+                                 f"got {array.dtype} {list(array.shape)}")
+            self._keep.append(array)
+            pointers.append(array.ctypes.data)
+            types.append(KQUANT_TYPES[kind])
+            rows.append(array.shape[0])
+        self.outputs = sum(rows)
+        self._pointers = (ctypes.c_void_p * len(parts))(*pointers)
+        self._types = (ctypes.c_int * len(parts))(*types)
+        self._rows = (ctypes.c_int64 * len(parts))(*rows)
+        self.parts = len(parts)
+
+
+def linear_kq(x: torch.Tensor, weights: KQuantWeights, bias: torch.Tensor | None = None,
+              out_float32: bool = False) -> torch.Tensor:
+    """x Wᵀ (+ bias) on K-quant blocks as stored, x quantized to int8 per row and block of 256
+    inputs (kquants.cpp): x [..., K] bfloat16; bias [N] float32 or None → [..., N] bfloat16
+    (float32 where out_float32), N = weights.outputs."""
+    if x.shape[-1] != weights.inputs:
+        raise ValueError(f"x has {x.shape[-1]} inputs; the weights take {weights.inputs}")
+    rows, out = _rows_and_output(x, weights.outputs, out_float32)
+    m, k = rows.shape
+    load().sd_linear_kq(rows.data_ptr(), m, k, rows.stride(0), weights.parts, weights._pointers, weights._types,
+                        weights._rows, None if bias is None else bias.data_ptr(), out.data_ptr(), weights.outputs,
+                        int(out_float32), _threads())
+    return out.view(*x.shape[:-1], weights.outputs)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Compile rows.cpp for this machine once and load it (ctypes).
+"""Compile rows.cpp and kquants.cpp for this machine once and load them (ctypes).
 
 The library is built on first use with the system's C++ compiler (`c++`/`g++`, or $CXX) for this
 CPU's instruction sets (-march=native: AVX-512 BF16, AVX2 + FMA or portable code, decided by the
@@ -27,7 +27,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("rows.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("rows.cpp", "kquants.cpp")]
 ISA_NAMES = {2: "avx512-bf16", 1: "avx2-fma", 0: "portable"}
 
 
@@ -79,7 +79,7 @@ def library_path() -> Path:
     compiler = _compiler() or "none"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout if compiler != "none" \
         else ""
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, version, repr(_flags()), _cpu_flags()])
+    key = hashlib.sha256("\n".join([*(source.read_text() for source in SOURCES), compiler, version, repr(_flags()), _cpu_flags()])
                          .encode()).hexdigest()[:16]
     return cache_dir() / "native" / f"rows-{key}.so"
 
@@ -108,11 +108,16 @@ def load() -> ctypes.CDLL:
             raise NativeUnavailable(f"cannot write the batch-invariant kernels' build to {path.parent}: {err}") from None
         os.close(fd)
         compile_flags, link_flags = _flags()
-        done = subprocess.run([compiler, *compile_flags, "-c", str(SOURCE), "-o", tmp + ".o"], capture_output=True,
-                              text=True)
-        if done.returncode == 0:
-            done = subprocess.run([compiler, tmp + ".o", *link_flags, "-o", tmp], capture_output=True, text=True)
-        Path(tmp + ".o").unlink(missing_ok=True)
+        objects = [f"{tmp}.{source.stem}.o" for source in SOURCES]
+        for source, obj in zip(SOURCES, objects):
+            done = subprocess.run([compiler, *compile_flags, "-c", str(source), "-o", obj], capture_output=True,
+                                  text=True)
+            if done.returncode != 0:
+                break
+        else:
+            done = subprocess.run([compiler, *objects, *link_flags, "-o", tmp], capture_output=True, text=True)
+        for obj in objects:
+            Path(obj).unlink(missing_ok=True)
         if done.returncode != 0:
             os.unlink(tmp)
             first = "\n".join(done.stderr.strip().splitlines()[:5])
@@ -126,12 +131,15 @@ def load() -> ctypes.CDLL:
                                 "again") from None
     i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.sd_isa.restype = i32
+    lib.sd_kq_isa.restype = i32
+    lib.sd_kq_row_bytes.argtypes, lib.sd_kq_row_bytes.restype = [i32, i64], i64
+    lib.sd_linear_kq.argtypes = [ptr, i64, i64, i64, i32, ptr, ptr, ptr, ptr, ptr, i64, i32, i32]
     lib.sd_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32, i32]
     lib.sd_linear_q4.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i32, i32]
     lib.sd_rms_norm.argtypes = [ptr, i64, i64, ptr, f32, ptr, i32]
     lib.sd_silu_mul.argtypes = [ptr, ptr, i64, i64, i64, ptr, i32]
     lib.sd_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, f32, ptr, i32]
-    for name in ("sd_linear", "sd_linear_q4", "sd_rms_norm", "sd_silu_mul", "sd_attention"):
+    for name in ("sd_linear", "sd_linear_q4", "sd_linear_kq", "sd_rms_norm", "sd_silu_mul", "sd_attention"):
         getattr(lib, name).restype = None
     return lib
 

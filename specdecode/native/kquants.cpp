@@ -1,0 +1,462 @@
+// Batch-invariant products on a GGUF file's own K-quant blocks (Q4_K, Q6_K), read as stored.
+//
+// y[m, n] = Σ_k x[m, k]·W[n, k] with W in llama.cpp's block formats, the weights never dequantized
+// to a copy. Like llama.cpp's CPU path, activations are quantized to int8 per block of 256 inputs
+// (a float scale dx = max|x|/127, values rounded to nearest), so the inner sums are exact integers:
+//   Q4_K  W = d·sc_j·q − dmin·m_j   (q 4-bit, sc_j and m_j 6-bit per sub-block j of 32 inputs)
+//         Σ_k x·W = dx·d·Σ_j sc_j·Σ_{k∈j} q·x̂  −  dx·dmin·Σ_j m_j·Σ_{k∈j} x̂
+//   Q6_K  W = d·sc_j·(q − 32)       (q 6-bit, sc_j signed 8-bit per sub-block j of 16 inputs)
+//         Σ_k x·W = dx·d·(Σ_j sc_j·Σ_{k∈j} q·x̂  −  32·Σ_j sc_j·Σ_{k∈j} x̂)
+// where x̂ are the int8 activations. Per super-block of 256 inputs the integer sums are exact
+// (bounded well inside int32; the pairs of u8·s8 products inside int16); the super-blocks' float
+// terms are accumulated in a fixed order of vector lanes per output row.
+//
+// Batch invariance: a row's activation scale and integers depend on that row alone, and its
+// accumulation order on K alone (never on M, the other rows or the thread count: threads split
+// the output columns), so a k-token verify gives each row the bits a one-token step gives it.
+//
+// Memory: each weight row's blocks are decoded once per call and multiplied into up to 8 rows
+// while in registers; further rows (a 9-token verify) re-read the same weight row from cache.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <algorithm>
+#include <omp.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KQ_ISA 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KQ_ISA 1
+#else
+#define KQ_ISA 0
+#endif
+
+typedef uint16_t bf16;
+
+namespace {
+
+const int QK = 256;               // inputs per super-block
+const int Q4K_BYTES = 144;        // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+const int Q6K_BYTES = 210;        // 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, fp16 d
+const int TYPE_Q4_K = 12, TYPE_Q6_K = 14;  // GGML type ids
+const int ROWS = 8;               // activation rows per pass over a weight row
+
+float half_to_float(uint16_t h) {
+    const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {  // subnormal: normalize
+            int e = -1;
+            uint32_t m = mant;
+            do { ++e; m <<= 1; } while ((m & 0x400u) == 0);
+            bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+float bf16_to_float(bf16 h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+bf16 float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16>((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<bf16>(bits >> 16);
+}
+
+// One row's activations as int8 per super-block: values x̂, scale dx, and the sums of x̂ per 16 and
+// per 32 inputs (the Q6_K offset and the Q4_K minimums need them).
+struct Activations {
+    int64_t K = 0;
+    std::vector<int8_t> q;       // [M, K]
+    std::vector<float> d;        // [M, K/256]
+    std::vector<int16_t> sum16;  // [M, K/16]
+    std::vector<int16_t> sum32;  // [M, K/32]
+};
+
+void quantize_row(const bf16* x, int64_t K, int8_t* q, float* d, int16_t* sum16, int16_t* sum32) {
+    for (int64_t b = 0; b < K / QK; ++b) {
+        float values[QK];
+        float amax = 0.0f;
+        bool finite = true;
+        for (int i = 0; i < QK; ++i) {
+            values[i] = bf16_to_float(x[b * QK + i]);
+            finite = finite && std::isfinite(values[i]);
+            amax = std::max(amax, std::fabs(values[i]));
+        }
+        // a NaN or infinite input gives a NaN scale: the row's outputs become NaN, as a float product's would
+        if (!finite) amax = NAN;
+        const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        for (int i = 0; i < QK; ++i) {
+            const float r = std::nearbyint(values[i] * inverse);  // the default rounding: to nearest even
+            q[b * QK + i] = static_cast<int8_t>(r == r ? std::max(-127.0f, std::min(127.0f, r)) : 0.0f);
+        }
+        for (int j = 0; j < QK / 16; ++j) {
+            int total = 0;
+            for (int i = 0; i < 16; ++i) total += q[b * QK + 16 * j + i];
+            sum16[b * (QK / 16) + j] = static_cast<int16_t>(total);
+        }
+        for (int j = 0; j < QK / 32; ++j)
+            sum32[b * (QK / 32) + j] = static_cast<int16_t>(sum16[b * (QK / 16) + 2 * j] + sum16[b * (QK / 16) + 2 * j + 1]);
+    }
+}
+
+// Q4_K's 12 bytes of scales: sub-block j's 6-bit scale and minimum (the format's packing)
+inline void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+    for (int j = 0; j < 4; ++j) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+    }
+    for (int j = 4; j < 8; ++j) {
+        sc[j] = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+#if KQ_ISA == 2
+inline float hsum(__m512 v) {  // fixed order: halves, then quarters, …
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_add_ss(b, _mm_movehdup_ps(b));
+    return _mm_cvtss_f32(b);
+}
+#elif KQ_ISA == 1
+inline float hsum(__m256 v) {
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_add_ss(b, _mm_movehdup_ps(b));
+    return _mm_cvtss_f32(b);
+}
+#endif
+
+// sums[i] = Σ_k x[m0 + i, k]·W[k] for one Q4_K weight row
+template <int MG>
+void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
+    const int64_t blocks = a.K / QK;
+#if KQ_ISA == 2
+    __m512 acc[MG];
+    __m128 low[MG];
+    for (int i = 0; i < MG; ++i) { acc[i] = _mm512_setzero_ps(); low[i] = _mm_setzero_ps(); }
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    // int16 lane l of a 64-input vector covers inputs 2l, 2l+1: sub-block l/16 of the pair
+    const __m512i pick_lo = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                             0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = w + b * Q4K_BYTES;
+        _mm_prefetch(reinterpret_cast<const char*>(block + 16 * Q4K_BYTES), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(block + 16 * Q4K_BYTES + 64), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(block + 16 * Q4K_BYTES + 128), _MM_HINT_T0);
+        uint16_t dh, dminh;
+        std::memcpy(&dh, block, 2);
+        std::memcpy(&dminh, block + 2, 2);
+        const float d = half_to_float(dh), dmin = half_to_float(dminh);
+        alignas(16) uint8_t sc[16], mn[16];
+        q4k_scales(block + 4, sc, mn);
+        const __m128i sc16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
+        const __m128i mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+        const __m512i sc_all = _mm512_broadcast_i32x4(sc16);
+        __m512i codes[4], scales[4];
+        for (int c = 0; c < 4; ++c) {
+            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c));
+            codes[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, nibble)),
+                                          _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble), 1);
+            scales[c] = _mm512_permutexvar_epi16(_mm512_add_epi16(pick_lo, _mm512_set1_epi16(2 * c)), sc_all);
+        }
+        for (int i = 0; i < MG; ++i) {
+            const int64_t row = m0 + i;
+            const int8_t* xq = a.q.data() + row * a.K + b * QK;
+            __m512i dot = _mm512_setzero_si512();
+            for (int c = 0; c < 4; ++c) {
+                const __m512i xv = _mm512_loadu_si512(xq + 64 * c);
+                dot = _mm512_dpwssd_epi32(dot, _mm512_maddubs_epi16(codes[c], xv), scales[c]);
+            }
+            const float dx = a.d[row * (a.K / QK) + b];
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d * dx), acc[i]);
+            const __m128i sums = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.sum32.data() + row * (a.K / 32) + 8 * b));
+            low[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mn16, sums)), _mm_set1_ps(dmin * dx), low[i]);
+        }
+    }
+    for (int i = 0; i < MG; ++i) {
+        __m128 l = _mm_add_ps(low[i], _mm_movehl_ps(low[i], low[i]));
+        l = _mm_add_ss(l, _mm_movehdup_ps(l));
+        sums[i] = hsum(acc[i]) - _mm_cvtss_f32(l);
+    }
+#elif KQ_ISA == 1
+    __m256 acc[MG];
+    __m128 low[MG];
+    for (int i = 0; i < MG; ++i) { acc[i] = _mm256_setzero_ps(); low[i] = _mm_setzero_ps(); }
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = w + b * Q4K_BYTES;
+        uint16_t dh, dminh;
+        std::memcpy(&dh, block, 2);
+        std::memcpy(&dminh, block + 2, 2);
+        const float d = half_to_float(dh), dmin = half_to_float(dminh);
+        alignas(16) uint8_t sc[16], mn[16];
+        q4k_scales(block + 4, sc, mn);
+        const __m128i mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+        __m256i codes[8], scales[8];
+        for (int c = 0; c < 4; ++c) {
+            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c));
+            codes[2 * c] = _mm256_and_si256(packed, nibble);
+            codes[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+            scales[2 * c] = _mm256_set1_epi16(sc[2 * c]);
+            scales[2 * c + 1] = _mm256_set1_epi16(sc[2 * c + 1]);
+        }
+        for (int i = 0; i < MG; ++i) {
+            const int64_t row = m0 + i;
+            const int8_t* xq = a.q.data() + row * a.K + b * QK;
+            __m256i dot = _mm256_setzero_si256();
+            for (int j = 0; j < 8; ++j) {
+                const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
+                dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(codes[j], xv), scales[j]));
+            }
+            const float dx = a.d[row * (a.K / QK) + b];
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * dx), acc[i]);
+            const __m128i sums = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.sum32.data() + row * (a.K / 32) + 8 * b));
+            low[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mn16, sums)), _mm_set1_ps(dmin * dx), low[i]);
+        }
+    }
+    for (int i = 0; i < MG; ++i) {
+        __m128 l = _mm_add_ps(low[i], _mm_movehl_ps(low[i], low[i]));
+        l = _mm_add_ss(l, _mm_movehdup_ps(l));
+        sums[i] = hsum(acc[i]) - _mm_cvtss_f32(l);
+    }
+#else
+    for (int i = 0; i < MG; ++i) {
+        const int64_t row = m0 + i;
+        float total = 0.0f, low = 0.0f;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t* block = w + b * Q4K_BYTES;
+            uint16_t dh, dminh;
+            std::memcpy(&dh, block, 2);
+            std::memcpy(&dminh, block + 2, 2);
+            uint8_t sc[8], mn[8];
+            q4k_scales(block + 4, sc, mn);
+            const int8_t* xq = a.q.data() + row * a.K + b * QK;
+            int32_t dot = 0, mins = 0;
+            for (int k = 0; k < QK; ++k) {
+                const int c = k / 64, l = k % 64;
+                const int q = l < 32 ? block[16 + 32 * c + l] & 15 : block[16 + 32 * c + l - 32] >> 4;
+                dot += sc[k / 32] * q * xq[k];
+            }
+            for (int j = 0; j < 8; ++j) mins += mn[j] * a.sum32[row * (a.K / 32) + 8 * b + j];
+            const float dx = a.d[row * (a.K / QK) + b];
+            total = std::fma(static_cast<float>(dot), half_to_float(dh) * dx, total);
+            low = std::fma(static_cast<float>(mins), half_to_float(dminh) * dx, low);
+        }
+        sums[i] = total - low;
+    }
+#endif
+}
+
+// sums[i] = Σ_k x[m0 + i, k]·W[k] for one Q6_K weight row
+template <int MG>
+void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
+    const int64_t blocks = a.K / QK;
+#if KQ_ISA == 2
+    __m512 acc[MG];
+    for (int i = 0; i < MG; ++i) acc[i] = _mm512_setzero_ps();
+    const __m512i nibble = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
+    __m512i pick[4];  // int16 lane l of 64-input vector z covers sub-block 4z + l/8
+    for (int z = 0; z < 4; ++z) {
+        alignas(64) int16_t index[32];
+        for (int l = 0; l < 32; ++l) index[l] = static_cast<int16_t>(4 * z + l / 8);
+        pick[z] = _mm512_load_si512(index);
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = w + b * Q6K_BYTES;
+        for (int p = 0; p < 4; ++p)
+            _mm_prefetch(reinterpret_cast<const char*>(block + 12 * Q6K_BYTES + 64 * p), _MM_HINT_T0);
+        uint16_t dh;
+        std::memcpy(&dh, block + 208, 2);
+        const float d = half_to_float(dh);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
+        const __m512i sc_all = _mm512_zextsi256_si512(sc16);
+        __m512i codes[4], scales[4];
+        for (int h = 0; h < 2; ++h) {
+            const __m512i lowbits = _mm512_loadu_si512(block + 64 * h);
+            const __m256i highbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
+            const __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(highbits), _mm256_srli_epi16(highbits, 2), 1);
+            codes[2 * h] = _mm512_or_si512(_mm512_and_si512(lowbits, nibble),
+                                           _mm512_slli_epi16(_mm512_and_si512(hb, two), 4));
+            codes[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lowbits, 4), nibble),
+                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4), two), 4));
+        }
+        for (int z = 0; z < 4; ++z) scales[z] = _mm512_permutexvar_epi16(pick[z], sc_all);
+        for (int i = 0; i < MG; ++i) {
+            const int64_t row = m0 + i;
+            const int8_t* xq = a.q.data() + row * a.K + b * QK;
+            __m512i dot = _mm512_setzero_si512();
+            for (int z = 0; z < 4; ++z) {
+                const __m512i xv = _mm512_loadu_si512(xq + 64 * z);
+                dot = _mm512_dpwssd_epi32(dot, _mm512_maddubs_epi16(codes[z], xv), scales[z]);
+            }
+            // the −32 offset: 32·Σ_j sc_j·Σ x̂ over sub-block j (16 pairs of int16 → 8 int32)
+            const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum16.data() + row * (a.K / 16) + 16 * b));
+            const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5);
+            dot = _mm512_sub_epi32(dot, _mm512_zextsi256_si512(offset));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d * a.d[row * (a.K / QK) + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < MG; ++i) sums[i] = hsum(acc[i]);
+#elif KQ_ISA == 1
+    __m256 acc[MG];
+    for (int i = 0; i < MG; ++i) acc[i] = _mm256_setzero_ps();
+    const __m256i nibble = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x03);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = w + b * Q6K_BYTES;
+        uint16_t dh;
+        std::memcpy(&dh, block + 208, 2);
+        const float d = half_to_float(dh);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
+        __m256i codes[8], scales[8];
+        for (int h = 0; h < 2; ++h)
+            for (int part = 0; part < 2; ++part) {  // 32 low-nibble bytes, 32 high-bit bytes
+                const __m256i lowbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32 * part));
+                const __m256i hb = _mm256_srli_epi16(
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h)), 2 * part);
+                // inputs 128h + 32·part + l and 128h + 64 + 32·part + l
+                codes[4 * h + part] = _mm256_or_si256(_mm256_and_si256(lowbits, nibble),
+                                                      _mm256_slli_epi16(_mm256_and_si256(hb, two), 4));
+                codes[4 * h + 2 + part] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(lowbits, 4), nibble),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), two), 4));
+            }
+        for (int j = 0; j < 8; ++j) {  // 32 inputs: sub-blocks 2j (lanes 0-7) and 2j + 1 (lanes 8-15)
+            const int8_t* s = reinterpret_cast<const int8_t*>(block + 192 + 2 * j);
+            scales[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16(s[0])), _mm_set1_epi16(s[1]), 1);
+        }
+        for (int i = 0; i < MG; ++i) {
+            const int64_t row = m0 + i;
+            const int8_t* xq = a.q.data() + row * a.K + b * QK;
+            __m256i dot = _mm256_setzero_si256();
+            for (int j = 0; j < 8; ++j) {
+                const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
+                dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(codes[j], xv), scales[j]));
+            }
+            const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum16.data() + row * (a.K / 16) + 16 * b));
+            dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a.d[row * (a.K / QK) + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < MG; ++i) sums[i] = hsum(acc[i]);
+#else
+    for (int i = 0; i < MG; ++i) {
+        const int64_t row = m0 + i;
+        float total = 0.0f;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t* block = w + b * Q6K_BYTES;
+            uint16_t dh;
+            std::memcpy(&dh, block + 208, 2);
+            const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+            const int8_t* xq = a.q.data() + row * a.K + b * QK;
+            int32_t dot = 0;
+            for (int k = 0; k < QK; ++k) {
+                const int h = k / 128, r = k % 128, quarter = r / 32, l = r % 32;
+                const uint8_t lowbyte = block[64 * h + l + (quarter & 1) * 32];
+                const int lo = quarter < 2 ? lowbyte & 15 : lowbyte >> 4;
+                const int hi = (block[128 + 32 * h + l] >> (2 * quarter)) & 3;
+                dot += sc[k / 16] * ((lo | (hi << 4)) - 32) * xq[k];
+            }
+            total = std::fma(static_cast<float>(dot), half_to_float(dh) * a.d[row * (a.K / QK) + b], total);
+        }
+        sums[i] = total;
+    }
+#endif
+}
+
+template <int MG>
+void rows_kq(int type, const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
+    if (type == TYPE_Q4_K)
+        q4k_rows<MG>(a, m0, w, sums);
+    else
+        q6k_rows<MG>(a, m0, w, sums);
+}
+
+#define KQ_CASE(G) case G: rows_kq<G>(type, a, m, w, sums + m); break;
+
+void weight_row(int type, const Activations& a, int64_t M, const uint8_t* w, float* sums) {
+    for (int64_t m = 0; m < M;) {
+        const int g = static_cast<int>(std::min<int64_t>(M - m, ROWS));
+        switch (g) {
+            KQ_CASE(1) KQ_CASE(2) KQ_CASE(3) KQ_CASE(4) KQ_CASE(5) KQ_CASE(6) KQ_CASE(7) KQ_CASE(8)
+            default: break;
+        }
+        m += g;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int sd_kq_isa() { return KQ_ISA; }
+
+int64_t sd_kq_row_bytes(int type, int64_t K) {
+    if (K % QK != 0) return -1;
+    if (type == TYPE_Q4_K) return K / QK * Q4K_BYTES;
+    if (type == TYPE_Q6_K) return K / QK * Q6K_BYTES;
+    return -1;
+}
+
+// y[M, Σ rows] = x[M, K] · [W_0; W_1; …]ᵀ (+ bias): `parts` weight tensors, each rows[p] rows of
+// K inputs in GGML type types[p] (Q4_K or Q6_K) at weights[p], their outputs side by side; x rows
+// ldx apart (bfloat16), y rows ldy apart, bfloat16 or float32 (out_f32). K a multiple of 256.
+void sd_linear_kq(const bf16* x, int64_t M, int64_t K, int64_t ldx, int parts, const uint8_t* const* weights,
+                  const int* types, const int64_t* rows, const float* bias, void* y, int64_t ldy, int out_f32,
+                  int threads) {
+    Activations a;
+    a.K = K;
+    a.q.resize(M * K);
+    a.d.resize(M * (K / QK));
+    a.sum16.resize(M * (K / 16));
+    a.sum32.resize(M * (K / 32));
+    for (int64_t m = 0; m < M; ++m)
+        quantize_row(x + m * ldx, K, a.q.data() + m * K, a.d.data() + m * (K / QK), a.sum16.data() + m * (K / 16),
+                     a.sum32.data() + m * (K / 32));
+    int64_t total = 0;
+    std::vector<int64_t> first(parts + 1, 0);
+    for (int p = 0; p < parts; ++p) first[p + 1] = first[p] + rows[p];
+    total = first[parts];
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> sums(M);
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < total; ++n) {
+            const int p = static_cast<int>(std::upper_bound(first.begin(), first.end(), n) - first.begin()) - 1;
+            const uint8_t* w = weights[p] + (n - first[p]) * sd_kq_row_bytes(types[p], K);
+            weight_row(types[p], a, M, w, sums.data());
+            const float add = bias ? bias[n] : 0.0f;
+            for (int64_t m = 0; m < M; ++m) {
+                const float v = sums[m] + add;
+                if (out_f32)
+                    static_cast<float*>(y)[m * ldy + n] = v;
+                else
+                    static_cast<bf16*>(y)[m * ldy + n] = float_to_bf16(v);
+            }
+        }
+    }
+}
+
+}  // extern "C"
