@@ -115,17 +115,19 @@ class DecoderConfig:
             (torch bfloat16 two ways, float32 with packed weights, and with llama-cpp-python a
             llama.cpp BF16 target; every draft kernel): the model of the dequantized weights,
             computed as fast as this machine allows (specdecode.tune). "bfloat16", "float32",
-            "float16", "float64": torch in that dtype, nothing timed. "gguf": llama.cpp computing
-            the target in its GGUF file's own quantization (a different model, exact with respect
-            to itself; the draft and γ are still timed and chosen, plain decoding where no draft
-            model pays).
+            "float16", "float64": torch in that dtype, nothing timed. "gguf": the target computed in
+            its GGUF file's own quantization (a different model, exact with respect to itself) by
+            llama.cpp or, for Qwen2/Llama files of Q4_K/Q6_K blocks, by specdecode's
+            batch-invariant kernels (models/kquant.py), whichever the timings favour (the draft
+            and γ are timed and chosen too, plain decoding where no draft model pays).
         batch_invariant: compute every token's logits with the same bits whether the target reads
             it alone (a plain step), among a verify's k tokens or beside other requests' rows
             (specdecode.models.invariant): greedy speculative output then equals plain greedy
             output token for token, and a seeded request gives the same tokens with speculation
             on or off and whatever runs beside it. "auto" (default): on the CPU for a bfloat16
             Llama/Qwen2 target on torch where a C++ compiler builds the kernels (dtype="bfloat16"
-            always there; dtype="auto" when they are fastest or within 5% of the fastest); True:
+            always there; dtype="auto" when they are fastest or within 5% of the fastest;
+            dtype="gguf" likewise for the file's own K-quant blocks against llama.cpp); True:
             always (ValueError where it cannot run); False: never. configuration() says which.
         backend: "auto" (default; dtype decides), "torch", or "llama.cpp" (GGUF files through
             llama-cpp-python; with dtype "auto" or "bfloat16" the target as a BF16 GGUF, with
@@ -279,10 +281,11 @@ class DecoderConfig:
                                               or (self.draft is not None and not isinstance(self.draft, str))):
             raise ValueError("quantize_draft='gguf' runs the draft's GGUF file on llama.cpp, on the CPU: give the "
                              "draft as a zoo name or a .gguf path, with no device or device_map")
-        if self.batch_invariant is True and (llama or self.dtype not in ("auto", "bfloat16")
+        if self.batch_invariant is True and (self.dtype not in ("auto", "bfloat16", "gguf")
                                              or self.backend == "llama.cpp"):
-            raise ValueError("batch_invariant=True runs the bfloat16 target on torch with specdecode's own kernels: "
-                             "use dtype 'auto' or 'bfloat16' and backend 'auto' or 'torch'")
+            raise ValueError("batch_invariant=True runs the target with specdecode's own kernels (a bfloat16 target "
+                             "on torch, or a GGUF file's own Q4_K/Q6_K blocks): use dtype 'auto', 'bfloat16' or "
+                             "'gguf' and backend 'auto' or 'torch'")
         if llama and self.tree_width > 1:
             raise ValueError("token trees (tree_width > 1) need a custom attention mask, which the llama.cpp "
                              "backend does not have; use tree_width=1 or backend='torch'")

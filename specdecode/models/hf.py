@@ -96,6 +96,8 @@ class HFCausalLM:
         compact_min_dead, compact_ratio: compact the cache once its dead slots (S − longest row)
             exceed compact_min_dead and compact_ratio × the longest row; 0, 0 compacts whenever
             any slot is dead (for tests).
+        device: where tokens go in; None: where the input embeddings are (a weightless skeleton
+            whose forward is a decoder over other weights gives it: models.kquant).
     Attributes:
         vocab_size: V, the width of the logits (the LM head's rows, which may exceed the
             tokenizer's length: rule 6), or vocab_limit.
@@ -120,7 +122,7 @@ class HFCausalLM:
     """
 
     def __init__(self, model, vocab_limit: int | None = None, compact_min_dead: int = COMPACT_MIN_DEAD,
-                 compact_ratio: float = COMPACT_RATIO, lean: bool = False):
+                 compact_ratio: float = COMPACT_RATIO, lean: bool = False, device: torch.device | None = None):
         from transformers import DynamicCache
 
         self.model = model.eval()
@@ -130,7 +132,7 @@ class HFCausalLM:
         self.max_length = getattr(model.config, "max_position_embeddings", None)
         self.sliding = has_sliding_window(model)
         self.max_rows = 1 if self.sliding else None
-        self.device = model.get_input_embeddings().weight.device
+        self.device = device or model.get_input_embeddings().weight.device
         self.compact_min_dead, self.compact_ratio = compact_min_dead, compact_ratio
         self.one_row_onednn = True
         self.batch_invariant = False  # use_invariant_forward() sets it
@@ -154,8 +156,14 @@ class HFCausalLM:
 
         if self.sliding:
             raise ValueError("the batch-invariant forward needs full attention")
-        self._lean = InvariantDecoder(self.model, share, vocab_limit=self.vocab_size if self._head is not None else None)
-        self._head = self._lean.head
+        self.use_decoder(InvariantDecoder(self.model, share,
+                                          vocab_limit=self.vocab_size if self._head is not None else None))
+
+    def use_decoder(self, decoder) -> None:
+        """Run every forward and the LM head on `decoder`, a models.invariant.InvariantDecoder (of
+        this model, or of a GGUF file's own blocks for a weightless skeleton: models.kquant)."""
+        self._lean = decoder
+        self._head = decoder.head
         self.batch_invariant = True
 
     @property

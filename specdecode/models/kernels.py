@@ -126,6 +126,7 @@ class TargetKernel(str, Enum):
     LLAMA_BF16 = "llama.cpp-bf16"      # llama.cpp on a BF16 GGUF of the weights (the bfloat16 model)
     LLAMA_F32 = "llama.cpp-f32"        # llama.cpp on an F32 GGUF of the weights (the float32 model)
     LLAMA_GGUF = "llama.cpp-gguf"      # llama.cpp on the GGUF file as it is (its own quantization)
+    GGUF_INVARIANT = "gguf-invariant"  # the GGUF file's own K-quant blocks on specdecode.native (models/kquant.py)
 
     @property
     def backend(self) -> str:
@@ -137,12 +138,18 @@ class TargetKernel(str, Enum):
         return {"bfloat16": torch.bfloat16, "bfloat16-gemv": torch.bfloat16, "bfloat16-invariant": torch.bfloat16,
                 "float32-packed": torch.float32,
                 "float16": torch.float16, "float64": torch.float64, "llama.cpp-bf16": torch.bfloat16,
-                "llama.cpp-f32": torch.float32, "llama.cpp-gguf": None}[self.value]
+                "llama.cpp-f32": torch.float32, "llama.cpp-gguf": None, "gguf-invariant": None}[self.value]
 
     @property
     def batch_invariant(self) -> bool:
         """Whether a token's logits are the same bits whatever else its forward holds (models/invariant.py)."""
-        return self is TargetKernel.BFLOAT16_INVARIANT
+        return self.value.endswith("-invariant")
+
+    @property
+    def reads_gguf(self) -> bool:
+        """Whether the target's weights are its GGUF file's (llama.cpp, or the file's own blocks on
+        specdecode.native) rather than a transformers model's."""
+        return self.backend == "llama.cpp" or self is TargetKernel.GGUF_INVARIANT
 
     @classmethod
     def of(cls, dtype: str, backend: str) -> "TargetKernel":

@@ -34,6 +34,8 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from specdecode.models.gguf_files import file_key, gguf_tokenizer  # noqa: F401 (gguf_tokenizer: public here too)
+
 PINNED = "llama-cpp-python==0.3.36"
 # every function of the C API this module calls: a missing one is an ImportError at first use
 REQUIRED = (
@@ -536,7 +538,7 @@ def repack_works(path, timeout_s: float = 600.0) -> bool:
     libraries = sorted(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in build.rglob("*.so*"))
     with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
         flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    key = hashlib.sha256("\n".join([_file_key(path), llama_cpp.__version__, *libraries, flags]).encode())
+    key = hashlib.sha256("\n".join([file_key(path), llama_cpp.__version__, *libraries, flags]).encode())
     cached = cache_dir() / "llamacpp" / f"repack-{key.hexdigest()[:16]}.json"
     try:
         return bool(json.loads(cached.read_text(encoding="utf-8"))["works"])
@@ -557,43 +559,6 @@ def repack_works(path, timeout_s: float = 600.0) -> bool:
     except OSError:  # a cache we cannot write costs the next load the probe again
         pass
     return works
-
-
-def _file_key(path: Path) -> str:
-    """A short digest of a file's resolved path, size and modification time: a cache key that
-    changes when the file does."""
-    stat = path.stat()
-    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-
-
-def gguf_tokenizer(path):
-    """The transformers tokenizer a GGUF file describes (its vocabulary, merges, special tokens and
-    chat template), so the engine's detokenizer, chat template and stops work unchanged. Building
-    it reads the whole vocabulary (tens of seconds for 150k tokens), so it is saved once in the
-    cache folder and loaded from there afterwards."""
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from specdecode.models.zoo import cache_dir
-
-    path = Path(path)
-    cached = cache_dir() / "tokenizers" / f"{path.stem}-{_file_key(path)}"
-    if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached))
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # it reports every metadata field it converts
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=cached.name, suffix=".partial"))
-    try:
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, cached)
-    except OSError:  # a cache we cannot write costs only time on the next load
-        shutil.rmtree(tmp, ignore_errors=True)
-    return tokenizer
 
 
 def load_gguf(path, **options) -> tuple[LlamaCppLM, object]:
@@ -638,7 +603,7 @@ def converted_gguf(source_path, kind: str, progress: Callable[[str], None] | Non
     if not source.is_file():
         raise FileNotFoundError(f"no GGUF file at {str(source)!r}")
     out_dir = cache_dir() / "gguf"
-    target = out_dir / f"{source.stem}-{kind}-{_file_key(source)}.gguf"
+    target = out_dir / f"{source.stem}-{kind}-{file_key(source)}.gguf"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)

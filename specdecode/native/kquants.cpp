@@ -90,6 +90,7 @@ struct Activations {
     std::vector<float> d;        // [M, K/256]
     std::vector<int16_t> sum16;  // [M, K/16]
     std::vector<int16_t> sum32;  // [M, K/32]
+    std::vector<float> low;      // [M, K/32] dx·(Σ x̂ per 32 inputs): Q4_K's minimums
 };
 
 void quantize_row(const bf16* x, int64_t K, int8_t* q, float* d, int16_t* sum16, int16_t* sum32) {
@@ -120,16 +121,23 @@ void quantize_row(const bf16* x, int64_t K, int8_t* q, float* d, int16_t* sum16,
     }
 }
 
-// Q4_K's 12 bytes of scales: sub-block j's 6-bit scale and minimum (the format's packing)
+// Q4_K's 12 bytes of scales: sub-block j's 6-bit scale sc[j] and minimum mn[j]. The format packs
+// j < 4 in the low 6 bits of bytes j (scale) and 4 + j (minimum); j ≥ 4 in the nibbles of byte
+// 4 + j (scale low, minimum high) with their top 2 bits in the top bits of bytes j − 4 (scale)
+// and j (minimum). Four bytes at a time in 32-bit words.
 inline void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
-    for (int j = 0; j < 4; ++j) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-    }
-    for (int j = 4; j < 8; ++j) {
-        sc[j] = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-        mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
+    uint32_t w0, w1, w2;
+    std::memcpy(&w0, s, 4);
+    std::memcpy(&w1, s + 4, 4);
+    std::memcpy(&w2, s + 8, 4);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
+    const uint32_t sc_lo = w0 & low6, mn_lo = w1 & low6;
+    const uint32_t sc_hi = (w2 & low4) | (((w0 >> 6) & low2) << 4);
+    const uint32_t mn_hi = ((w2 >> 4) & low4) | (((w1 >> 6) & low2) << 4);
+    std::memcpy(sc, &sc_lo, 4);
+    std::memcpy(sc + 4, &sc_hi, 4);
+    std::memcpy(mn, &mn_lo, 4);
+    std::memcpy(mn + 4, &mn_hi, 4);
 }
 
 #if KQ_ISA == 2
@@ -155,8 +163,7 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
     const int64_t blocks = a.K / QK;
 #if KQ_ISA == 2
     __m512 acc[MG];
-    __m128 low[MG];
-    for (int i = 0; i < MG; ++i) { acc[i] = _mm512_setzero_ps(); low[i] = _mm_setzero_ps(); }
+    for (int i = 0; i < MG; ++i) acc[i] = _mm512_setzero_ps();
     const __m256i nibble = _mm256_set1_epi8(0x0f);
     // int16 lane l of a 64-input vector covers inputs 2l, 2l+1: sub-block l/16 of the pair
     const __m512i pick_lo = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
@@ -169,12 +176,15 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
         uint16_t dh, dminh;
         std::memcpy(&dh, block, 2);
         std::memcpy(&dminh, block + 2, 2);
-        const float d = half_to_float(dh), dmin = half_to_float(dminh);
-        alignas(16) uint8_t sc[16], mn[16];
+        alignas(16) uint8_t sc[8], mn[8];
         q4k_scales(block + 4, sc, mn);
-        const __m128i sc16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
-        const __m128i mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
-        const __m512i sc_all = _mm512_broadcast_i32x4(sc16);
+        const __m512i sc_all = _mm512_broadcast_i32x4(
+            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+        // dmin·mn[j] in lanes 0-7, zeros above: the minimums' term of a row is one product with its
+        // dx·Σx̂ per sub-block (8 floats)
+        const __m512 mins = _mm512_maskz_mul_ps(0x00ff, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)))), _mm512_set1_ps(half_to_float(dminh)));
+        const __m512 d = _mm512_set1_ps(half_to_float(dh));
         __m512i codes[4], scales[4];
         for (int c = 0; c < 4; ++c) {
             const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c));
@@ -186,21 +196,14 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
             const int64_t row = m0 + i;
             const int8_t* xq = a.q.data() + row * a.K + b * QK;
             __m512i dot = _mm512_setzero_si512();
-            for (int c = 0; c < 4; ++c) {
-                const __m512i xv = _mm512_loadu_si512(xq + 64 * c);
-                dot = _mm512_dpwssd_epi32(dot, _mm512_maddubs_epi16(codes[c], xv), scales[c]);
-            }
-            const float dx = a.d[row * (a.K / QK) + b];
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d * dx), acc[i]);
-            const __m128i sums = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.sum32.data() + row * (a.K / 32) + 8 * b));
-            low[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mn16, sums)), _mm_set1_ps(dmin * dx), low[i]);
+            for (int c = 0; c < 4; ++c)
+                dot = _mm512_dpwssd_epi32(dot, _mm512_maddubs_epi16(codes[c], _mm512_loadu_si512(xq + 64 * c)), scales[c]);
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), d),
+                                     _mm512_set1_ps(a.d[row * (a.K / QK) + b]), acc[i]);
+            acc[i] = _mm512_fnmadd_ps(mins, _mm512_maskz_loadu_ps(0x00ff, a.low.data() + row * (a.K / 32) + 8 * b), acc[i]);
         }
     }
-    for (int i = 0; i < MG; ++i) {
-        __m128 l = _mm_add_ps(low[i], _mm_movehl_ps(low[i], low[i]));
-        l = _mm_add_ss(l, _mm_movehdup_ps(l));
-        sums[i] = hsum(acc[i]) - _mm_cvtss_f32(l);
-    }
+    for (int i = 0; i < MG; ++i) sums[i] = hsum(acc[i]);
 #elif KQ_ISA == 1
     __m256 acc[MG];
     __m128 low[MG];
@@ -397,8 +400,11 @@ void rows_kq(int type, const Activations& a, int64_t m0, const uint8_t* w, float
 #define KQ_CASE(G) case G: rows_kq<G>(type, a, m, w, sums + m); break;
 
 void weight_row(int type, const Activations& a, int64_t M, const uint8_t* w, float* sums) {
+    // rows in equal groups of at most ROWS (9 rows: 5 + 4, not 8 + 1): each group decodes the
+    // weight row again, and a group's cost is mostly per row
+    const int64_t groups = (M + ROWS - 1) / ROWS, size = (M + groups - 1) / groups;
     for (int64_t m = 0; m < M;) {
-        const int g = static_cast<int>(std::min<int64_t>(M - m, ROWS));
+        const int g = static_cast<int>(std::min<int64_t>(M - m, size));
         switch (g) {
             KQ_CASE(1) KQ_CASE(2) KQ_CASE(3) KQ_CASE(4) KQ_CASE(5) KQ_CASE(6) KQ_CASE(7) KQ_CASE(8)
             default: break;
@@ -432,9 +438,13 @@ void sd_linear_kq(const bf16* x, int64_t M, int64_t K, int64_t ldx, int parts, c
     a.d.resize(M * (K / QK));
     a.sum16.resize(M * (K / 16));
     a.sum32.resize(M * (K / 32));
-    for (int64_t m = 0; m < M; ++m)
+    a.low.resize(M * (K / 32));
+    for (int64_t m = 0; m < M; ++m) {
         quantize_row(x + m * ldx, K, a.q.data() + m * K, a.d.data() + m * (K / QK), a.sum16.data() + m * (K / 16),
                      a.sum32.data() + m * (K / 32));
+        for (int64_t j = 0; j < K / 32; ++j)
+            a.low[m * (K / 32) + j] = a.d[m * (K / QK) + j / 8] * static_cast<float>(a.sum32[m * (K / 32) + j]);
+    }
     int64_t total = 0;
     std::vector<int64_t> first(parts + 1, 0);
     for (int p = 0; p < parts; ++p) first[p + 1] = first[p] + rows[p];
