@@ -92,6 +92,14 @@ def unsupported(path) -> str | None:
     return None
 
 
+def describe(path) -> str:
+    """What the file's numbers are, for reports: its architecture and its matrices' block types
+    (e.g. "qwen2 Q4_K+Q6_K")."""
+    table = TensorTable(path)
+    kinds = sorted({table.type_name(name) for name, (_, shape, _) in table.tensors.items() if len(shape) > 1})
+    return f"{table.architecture} {'+'.join(kinds)}"
+
+
 def _floats(table: TensorTable, name: str) -> torch.Tensor:
     if table.type_name(name) != "F32":
         raise ValueError(f"{table.path.name}: {name} is {table.type_name(name)}; float32 expected")

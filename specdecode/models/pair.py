@@ -124,6 +124,8 @@ class Pair:
         self.device = parse_device(config.device, target)  # with a device_map: set again once placed
         if plan.target_kernel.backend == "llama.cpp":
             self.target = _load_gguf(target, LLAMA_WEIGHTS[plan.target_kernel], plan.max_rows, progress)
+        elif plan.target_kernel is TargetKernel.GGUF_INVARIANT:
+            self.target = _load_kquant(target, progress)
         else:
             self.target = self._load(target, tokenizer, progress, device_map=config.device_map,
                                      offload_folder=config.offload_folder)
@@ -161,13 +163,14 @@ class Pair:
                 self.draft = Loaded(self.draft.backend, draft_tokenizer, self.draft.name, self.draft.weights)
             self.cross_vocab = not same_tokenizer(self.tokenizer, self.draft.tokenizer)
             self._check_pair(config.tree_width)
-        if isinstance(self.target.backend, HFCausalLM):
+        if isinstance(self.target.backend, HFCausalLM) and not plan.target_kernel.reads_gguf:
             # a model object is the user's, and a device_map's layers may sit on other devices or disk
             self._apply_target_kernel(plan, own=isinstance(target, str) and config.device_map is None,
                                       gamma=config.num_speculative_tokens)
         if config.batch_invariant is True and not getattr(self.target.backend, "batch_invariant", False):
-            raise ValueError(f"batch_invariant=True: the batch-invariant kernels run bfloat16 Llama/Qwen2 "
-                             f"targets on the CPU; {self.target.name!r} is not one (pass batch_invariant='auto')")
+            raise ValueError(f"batch_invariant=True: the batch-invariant kernels run bfloat16 Llama/Qwen2 targets "
+                             f"and Q4_K/Q6_K GGUF files on the CPU; {self.target.name!r} is not one (pass "
+                             "batch_invariant='auto')")
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -266,6 +269,22 @@ def _load_gguf(spec, weights: str | None, max_rows: int, progress) -> Loaded:
         progress(f"loading {Path(path).name} on llama.cpp")
     model, tokenizer = llamacpp.load_gguf(path, max_rows=max_rows)
     return Loaded(model, tokenizer, spec if isinstance(spec, str) else str(spec), f"{model.description} GGUF")
+
+
+def _load_kquant(spec, progress) -> Loaded:
+    """A zoo name or GGUF path's target on its file's own K-quant blocks (models/kquant.py)."""
+    from specdecode.models import kquant
+    from specdecode.models.gguf_files import gguf_tokenizer
+
+    source = gguf_source(spec, progress)
+    if source is None:
+        raise ValueError(f"{spec!r} is not a GGUF file or a zoo name: dtype='gguf' reads a GGUF file's own weights")
+    if progress:
+        progress(f"loading {Path(source).name} on specdecode's K-quant kernels")
+    eos = zoo.ZOO[spec].eos_token_ids if isinstance(spec, str) and spec in zoo.ZOO else ()
+    model = kquant.kquant_model(source, eos)
+    return Loaded(model, gguf_tokenizer(source), spec if isinstance(spec, str) else str(spec),
+                  f"{kquant.describe(source)} GGUF")
 
 
 def backend(model, vocab_limit: int | None = None, lean: bool = False):

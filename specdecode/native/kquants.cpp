@@ -46,6 +46,9 @@ const int TYPE_Q4_K = 12, TYPE_Q6_K = 14;  // GGML type ids
 const int ROWS = 8;               // activation rows per pass over a weight row
 
 float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);  // exact, as the branches below
+#endif
     const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
     uint32_t bits;
     if (exp == 0) {
@@ -125,7 +128,7 @@ void quantize_row(const bf16* x, int64_t K, int8_t* q, float* d, int16_t* sum16,
 // j < 4 in the low 6 bits of bytes j (scale) and 4 + j (minimum); j ≥ 4 in the nibbles of byte
 // 4 + j (scale low, minimum high) with their top 2 bits in the top bits of bytes j − 4 (scale)
 // and j (minimum). Four bytes at a time in 32-bit words.
-inline void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+inline void q4k_scales(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
     uint32_t w0, w1, w2;
     std::memcpy(&w0, s, 4);
     std::memcpy(&w1, s + 4, 4);
@@ -134,13 +137,23 @@ inline void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
     const uint32_t sc_lo = w0 & low6, mn_lo = w1 & low6;
     const uint32_t sc_hi = (w2 & low4) | (((w0 >> 6) & low2) << 4);
     const uint32_t mn_hi = ((w2 >> 4) & low4) | (((w1 >> 6) & low2) << 4);
-    std::memcpy(sc, &sc_lo, 4);
-    std::memcpy(sc + 4, &sc_hi, 4);
-    std::memcpy(mn, &mn_lo, 4);
-    std::memcpy(mn + 4, &mn_hi, 4);
+    // byte j of sc is sub-block j's scale, of mn its minimum (kept in registers: bytes stored four
+    // at a time and read back eight at a time would stall the load)
+    sc = sc_lo | (static_cast<uint64_t>(sc_hi) << 32);
+    mn = mn_lo | (static_cast<uint64_t>(mn_hi) << 32);
 }
 
 #if KQ_ISA == 2
+// _mm512_packs_epi32(p, q) puts, in each 128-bit lane L, p's int32 lanes 4L..4L+3 then q's as
+// int16. For the chunks of 64 inputs c and c+1 (vpdpbusd: int32 lane l holds inputs 4l..4l+3):
+//   Q4_K: p's lanes 4L.. are in sub-block 2c + L/2 (32 inputs each), q's in 2c + 2 + L/2;
+//   Q6_K: p's are in sub-block 4c + L (16 inputs each), q's in 4c + 4 + L.
+// These tables give, per int16 lane, the index of its scale (for chunks 0 and 1; + 4 or + 8 after).
+alignas(64) const int16_t kQ4Pick[32] = {0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2,
+                                         1, 1, 1, 1, 3, 3, 3, 3, 1, 1, 1, 1, 3, 3, 3, 3};
+alignas(64) const int16_t kQ6Pick[32] = {0, 0, 0, 0, 4, 4, 4, 4, 1, 1, 1, 1, 5, 5, 5, 5,
+                                         2, 2, 2, 2, 6, 6, 6, 6, 3, 3, 3, 3, 7, 7, 7, 7};
+
 inline float hsum(__m512 v) {  // fixed order: halves, then quarters, …
     __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
     __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -162,12 +175,10 @@ template <int MG>
 void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
     const int64_t blocks = a.K / QK;
 #if KQ_ISA == 2
-    __m512 acc[MG];
-    for (int i = 0; i < MG; ++i) acc[i] = _mm512_setzero_ps();
+    __m512 acc[MG], low[MG];
+    for (int i = 0; i < MG; ++i) acc[i] = low[i] = _mm512_setzero_ps();
     const __m256i nibble = _mm256_set1_epi8(0x0f);
-    // int16 lane l of a 64-input vector covers inputs 2l, 2l+1: sub-block l/16 of the pair
-    const __m512i pick_lo = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                                             0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i pick01 = _mm512_load_si512(kQ4Pick), pick23 = _mm512_add_epi16(pick01, _mm512_set1_epi16(4));
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* block = w + b * Q4K_BYTES;
         _mm_prefetch(reinterpret_cast<const char*>(block + 16 * Q4K_BYTES), _MM_HINT_T0);
@@ -176,34 +187,42 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
         uint16_t dh, dminh;
         std::memcpy(&dh, block, 2);
         std::memcpy(&dminh, block + 2, 2);
-        alignas(16) uint8_t sc[8], mn[8];
+        uint64_t sc, mn;
         q4k_scales(block + 4, sc, mn);
-        const __m512i sc_all = _mm512_broadcast_i32x4(
-            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+        const __m512i sc_all = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc))));
         // dmin·mn[j] in lanes 0-7, zeros above: the minimums' term of a row is one product with its
         // dx·Σx̂ per sub-block (8 floats)
         const __m512 mins = _mm512_maskz_mul_ps(0x00ff, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)))), _mm512_set1_ps(half_to_float(dminh)));
-        const __m512 d = _mm512_set1_ps(half_to_float(dh));
-        __m512i codes[4], scales[4];
+            _mm_cvtsi64_si128(static_cast<long long>(mn)))), _mm512_set1_ps(half_to_float(dminh)));
+        const float d = half_to_float(dh);
+        __m512i codes[4];
         for (int c = 0; c < 4; ++c) {
             const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c));
             codes[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, nibble)),
                                           _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble), 1);
-            scales[c] = _mm512_permutexvar_epi16(_mm512_add_epi16(pick_lo, _mm512_set1_epi16(2 * c)), sc_all);
         }
+        const __m512i scales01 = _mm512_permutexvar_epi16(pick01, sc_all);
+        const __m512i scales23 = _mm512_permutexvar_epi16(pick23, sc_all);
+        // unrolled: the rows' accumulators stay in registers
+#pragma GCC unroll 8
         for (int i = 0; i < MG; ++i) {
             const int64_t row = m0 + i;
             const int8_t* xq = a.q.data() + row * a.K + b * QK;
-            __m512i dot = _mm512_setzero_si512();
+            // Σ of 4 products per int32 lane (|·| ≤ 4·15·127, exact in int16), two chunks packed
+            // into one vector of int16, then scaled per sub-block and summed in pairs
+            __m512i part[4];
             for (int c = 0; c < 4; ++c)
-                dot = _mm512_dpwssd_epi32(dot, _mm512_maddubs_epi16(codes[c], _mm512_loadu_si512(xq + 64 * c)), scales[c]);
-            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), d),
-                                     _mm512_set1_ps(a.d[row * (a.K / QK) + b]), acc[i]);
-            acc[i] = _mm512_fnmadd_ps(mins, _mm512_maskz_loadu_ps(0x00ff, a.low.data() + row * (a.K / 32) + 8 * b), acc[i]);
+                part[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[c], _mm512_loadu_si512(xq + 64 * c));
+            // two independent halves, and d·dx as one scalar: short dependency chains, so that
+            // the rows' work overlaps
+            const __m512i dot = _mm512_add_epi32(
+                _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(part[0], part[1]), scales01),
+                _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(part[2], part[3]), scales23));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d * a.d[row * (a.K / QK) + b]), acc[i]);
+            low[i] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(0x00ff, a.low.data() + row * (a.K / 32) + 8 * b), low[i]);
         }
     }
-    for (int i = 0; i < MG; ++i) sums[i] = hsum(acc[i]);
+    for (int i = 0; i < MG; ++i) sums[i] = hsum(acc[i]) - hsum(low[i]);
 #elif KQ_ISA == 1
     __m256 acc[MG];
     __m128 low[MG];
@@ -215,17 +234,19 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
         std::memcpy(&dh, block, 2);
         std::memcpy(&dminh, block + 2, 2);
         const float d = half_to_float(dh), dmin = half_to_float(dminh);
-        alignas(16) uint8_t sc[16], mn[16];
+        uint64_t sc, mn;
         q4k_scales(block + 4, sc, mn);
-        const __m128i mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+        const __m128i mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(mn)));
         __m256i codes[8], scales[8];
         for (int c = 0; c < 4; ++c) {
             const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c));
             codes[2 * c] = _mm256_and_si256(packed, nibble);
             codes[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
-            scales[2 * c] = _mm256_set1_epi16(sc[2 * c]);
-            scales[2 * c + 1] = _mm256_set1_epi16(sc[2 * c + 1]);
+            scales[2 * c] = _mm256_set1_epi16(static_cast<int16_t>((sc >> (16 * c)) & 0xff));
+            scales[2 * c + 1] = _mm256_set1_epi16(static_cast<int16_t>((sc >> (16 * c + 8)) & 0xff));
         }
+        // unrolled: the rows' accumulators stay in registers
+#pragma GCC unroll 8
         for (int i = 0; i < MG; ++i) {
             const int64_t row = m0 + i;
             const int8_t* xq = a.q.data() + row * a.K + b * QK;
@@ -254,16 +275,16 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
             uint16_t dh, dminh;
             std::memcpy(&dh, block, 2);
             std::memcpy(&dminh, block + 2, 2);
-            uint8_t sc[8], mn[8];
+            uint64_t sc, mn;
             q4k_scales(block + 4, sc, mn);
             const int8_t* xq = a.q.data() + row * a.K + b * QK;
             int32_t dot = 0, mins = 0;
             for (int k = 0; k < QK; ++k) {
                 const int c = k / 64, l = k % 64;
                 const int q = l < 32 ? block[16 + 32 * c + l] & 15 : block[16 + 32 * c + l - 32] >> 4;
-                dot += sc[k / 32] * q * xq[k];
+                dot += static_cast<int>((sc >> (8 * (k / 32))) & 0xff) * q * xq[k];
             }
-            for (int j = 0; j < 8; ++j) mins += mn[j] * a.sum32[row * (a.K / 32) + 8 * b + j];
+            for (int j = 0; j < 8; ++j) mins += static_cast<int>((mn >> (8 * j)) & 0xff) * a.sum32[row * (a.K / 32) + 8 * b + j];
             const float dx = a.d[row * (a.K / QK) + b];
             total = std::fma(static_cast<float>(dot), half_to_float(dh) * dx, total);
             low = std::fma(static_cast<float>(mins), half_to_float(dminh) * dx, low);
@@ -281,12 +302,7 @@ void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
     __m512 acc[MG];
     for (int i = 0; i < MG; ++i) acc[i] = _mm512_setzero_ps();
     const __m512i nibble = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
-    __m512i pick[4];  // int16 lane l of 64-input vector z covers sub-block 4z + l/8
-    for (int z = 0; z < 4; ++z) {
-        alignas(64) int16_t index[32];
-        for (int l = 0; l < 32; ++l) index[l] = static_cast<int16_t>(4 * z + l / 8);
-        pick[z] = _mm512_load_si512(index);
-    }
+    const __m512i pick01 = _mm512_load_si512(kQ6Pick), pick23 = _mm512_add_epi16(pick01, _mm512_set1_epi16(8));
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* block = w + b * Q6K_BYTES;
         for (int p = 0; p < 4; ++p)
@@ -296,7 +312,7 @@ void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
         const float d = half_to_float(dh);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
         const __m512i sc_all = _mm512_zextsi256_si512(sc16);
-        __m512i codes[4], scales[4];
+        __m512i codes[4];
         for (int h = 0; h < 2; ++h) {
             const __m512i lowbits = _mm512_loadu_si512(block + 64 * h);
             const __m256i highbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
@@ -306,15 +322,20 @@ void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
             codes[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lowbits, 4), nibble),
                                                _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4), two), 4));
         }
-        for (int z = 0; z < 4; ++z) scales[z] = _mm512_permutexvar_epi16(pick[z], sc_all);
+        const __m512i scales01 = _mm512_permutexvar_epi16(pick01, sc_all);
+        const __m512i scales23 = _mm512_permutexvar_epi16(pick23, sc_all);
+        // unrolled: the rows' accumulators stay in registers
+#pragma GCC unroll 8
         for (int i = 0; i < MG; ++i) {
             const int64_t row = m0 + i;
             const int8_t* xq = a.q.data() + row * a.K + b * QK;
-            __m512i dot = _mm512_setzero_si512();
-            for (int z = 0; z < 4; ++z) {
-                const __m512i xv = _mm512_loadu_si512(xq + 64 * z);
-                dot = _mm512_dpwssd_epi32(dot, _mm512_maddubs_epi16(codes[z], xv), scales[z]);
-            }
+            // as in q4k_rows (|·| ≤ 4·63·127 < 2^15: exact in int16)
+            __m512i part[4];
+            for (int z = 0; z < 4; ++z)
+                part[z] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[z], _mm512_loadu_si512(xq + 64 * z));
+            __m512i dot = _mm512_add_epi32(
+                _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(part[0], part[1]), scales01),
+                _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(part[2], part[3]), scales23));
             // the −32 offset: 32·Σ_j sc_j·Σ x̂ over sub-block j (16 pairs of int16 → 8 int32)
             const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum16.data() + row * (a.K / 16) + 16 * b));
             const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5);
@@ -350,6 +371,8 @@ void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
             const int8_t* s = reinterpret_cast<const int8_t*>(block + 192 + 2 * j);
             scales[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16(s[0])), _mm_set1_epi16(s[1]), 1);
         }
+        // unrolled: the rows' accumulators stay in registers
+#pragma GCC unroll 8
         for (int i = 0; i < MG; ++i) {
             const int64_t row = m0 + i;
             const int8_t* xq = a.q.data() + row * a.K + b * QK;

@@ -19,7 +19,7 @@ import torch
 
 from specdecode import native
 from specdecode.config import DEFAULT_DRAFT_QUANTIZATION, LLAMA_MAX_ROWS, QUANTIZATION_BITS, DecoderConfig
-from specdecode.models import llamacpp, packed, zoo
+from specdecode.models import kquant, llamacpp, packed, zoo
 from specdecode.models.loading import gguf_source, is_gguf, load_model, parse_device
 from specdecode.models.kernels import TargetKernel
 from specdecode.models.pair import LLAMA_WEIGHTS, LoadPlan, backend, draft_vocab_limit, model_names
@@ -59,7 +59,8 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None) -
     target, draft = model_names(config)
     device = parse_device(config.device, target)
     llama = llamacpp.available()
-    if (config.uses_llama_cpp or config.quantize_draft == "gguf") and not llama:
+    own_gguf = config.dtype == "gguf" and config.batch_invariant is True  # the file's blocks on our kernels only
+    if ((config.uses_llama_cpp and not own_gguf) or config.quantize_draft == "gguf") and not llama:
         llamacpp.library()  # raises the ImportError that says what to install
     for spec, needed in ((target, config.uses_llama_cpp), (draft, config.quantize_draft == "gguf")):
         if needed and not has_gguf(spec):
@@ -69,6 +70,13 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None) -
     kernel = TargetKernel.of(config.dtype, config.backend)
     if kernel is TargetKernel.BFLOAT16 and config.dtype == "bfloat16" and _invariant_candidate(config, device):
         kernel = TargetKernel.BFLOAT16_INVARIANT
+    if own_gguf:
+        native.load()  # raises NativeUnavailable, which says what to install
+        reason = kquant.unsupported(gguf_source(target, progress))
+        if reason is not None:
+            raise ValueError(f"batch_invariant=True with dtype='gguf' runs the file's own blocks on specdecode's "
+                             f"kernels, which cannot run this one: {reason} (pass batch_invariant='auto' for llama.cpp)")
+        kernel = TargetKernel.GGUF_INVARIANT
     draft_kernel = "llama.cpp" if quantization == "gguf" else _name(kernel.dtype) if kernel.dtype else "bfloat16"
     static = Plan(LoadPlan(kernel, None if draft is None else quantization, draft_kernel, max_rows=_rows(config)),
                   config.num_speculative_tokens, config.free_drafts_rule)
@@ -124,6 +132,16 @@ def _invariant_candidate(config: DecoderConfig, device) -> bool:
     return native.available() and native.isa() != "portable"
 
 
+def _kquant_candidate(config: DecoderConfig) -> bool:
+    """Whether dtype="gguf" may run the file's own blocks on specdecode's kernels: batch_invariant
+    not False, vector kernels here, and a file models.kquant covers (Qwen2/Llama, Q4_K/Q6_K)."""
+    target, _ = model_names(config)
+    if config.batch_invariant is False or not has_gguf(target) or not native.available() \
+            or native.isa() == "portable":
+        return False
+    return kquant.unsupported(gguf_source(target)) is None
+
+
 def _quantization(config: DecoderConfig) -> str:
     """quantize_draft with "auto" resolved for a plan without measuring: on the CPU, a llama.cpp
     target's draft on llama.cpp too where it has a GGUF file, else int4; "none" elsewhere."""
@@ -156,7 +174,8 @@ def candidates_of(config: DecoderConfig, quantization: str) -> tuple[tuple[str, 
     # llama.cpp holds at most LLAMA_MAX_ROWS rows
     llama = llamacpp.available() and (config.max_batch_size or 0) <= LLAMA_MAX_ROWS
     if config.dtype == "gguf":
-        targets = (TargetKernel.LLAMA_GGUF.value,)
+        own = (TargetKernel.GGUF_INVARIANT.value,) if _kquant_candidate(config) else ()
+        targets = own if config.batch_invariant is True else (TargetKernel.LLAMA_GGUF.value,) + own
     else:
         torch_kernels = ("bfloat16", "float32-packed") if config.backend != "llama.cpp" else ()
         if _invariant_candidate(config, parse_device(config.device)):
@@ -203,15 +222,17 @@ def _loaders(config: DecoderConfig, target: str, draft, progress=None) -> Loader
             prepare_draft_cached(model, QUANTIZATION_BITS[kind], draft if isinstance(draft, str) else None, progress)
         return model
 
-    def llama_target(kernel):
+    def file_target(kernel):
         source = gguf_source(target)
+        if kernel == TargetKernel.GGUF_INVARIANT:
+            return kquant.kquant_model(source)
         weights = LLAMA_WEIGHTS[TargetKernel(kernel)]
         return llamacpp.LlamaCppLM(source if weights is None else llamacpp.converted_gguf(source, weights, progress),
                                    max_rows=1)
 
     return Loaders(target=load_target, draft=load_draft,
                    backend=lambda model, is_draft: backend(model, vocab_limit if is_draft else None, lean=is_draft),
-                   pack=packed.pack_linears if packed.available() else None, llama_target=llama_target,
+                   pack=packed.pack_linears if packed.available() else None, file_target=file_target,
                    llama_draft=lambda: llamacpp.LlamaCppLM(gguf_source(draft), max_rows=1))
 
 

@@ -40,6 +40,8 @@ DRAFT_SIZES = (1, 64)  # a draft step and the draft's prompt read
 AUTO_MIN_PARAMETERS = 100_000_000
 QUANTIZED_KINDS = ("int4", "int8")
 INVARIANT = "bfloat16-invariant"
+# target kernels that read the target's GGUF file (loaded by Loaders.file_target)
+FILE_KERNELS = ("llama.cpp-bf16", "llama.cpp-f32", "llama.cpp-gguf", "gguf-invariant")
 
 Progress = Callable[[str], None] | None
 
@@ -54,7 +56,9 @@ class Loaders:
     draft(kind, dtype) -> the draft prepared with that kernel ("int4", "int8", "none").
     backend(model, is_draft) -> the engine backend over it (specdecode.models.hf.HFCausalLM).
     pack(model, rows_hint) -> None: float32 Linears packed for oneDNN, or raises ValueError.
-    llama_target(kernel) -> a llama.cpp backend of the target for that TargetKernel value.
+    file_target(kernel) -> a backend of the target's GGUF file for that TargetKernel value: on
+        llama.cpp ("llama.cpp-bf16", "llama.cpp-gguf") or its own blocks on specdecode's kernels
+        ("gguf-invariant").
     llama_draft() -> a llama.cpp backend of the draft's GGUF file as it is.
     """
 
@@ -62,7 +66,7 @@ class Loaders:
     draft: Callable
     backend: Callable
     pack: Callable | None
-    llama_target: Callable | None = None
+    file_target: Callable | None = None
     llama_draft: Callable | None = None
 
 
@@ -102,7 +106,7 @@ def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: 
         loaders: how to load each candidate (Loaders).
         targets: the target kernels to time (TargetKernel values): "bfloat16" (with its gemv
             variant, on one model), "float32-packed" (timed only where it could win: see the
-            module doc), "llama.cpp-bf16", "llama.cpp-gguf".
+            module doc), "llama.cpp-bf16", "llama.cpp-gguf", "gguf-invariant".
         draft_kinds: the draft kernels to time ("int4", "int8", "none": torch; "gguf": its GGUF on
             llama.cpp); empty for no draft.
         max_gamma: the decoder's γ_max.
@@ -142,13 +146,17 @@ def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: 
         if "bfloat16-gemv" in times:
             times["bfloat16-gemv"] = {**times["bfloat16"], 1: times["bfloat16-gemv"][1]}
         costs.update({kernel: _target_cost(t) for kernel, t in times.items()})
-    for kernel in (k for k in targets if k.startswith("llama.cpp")):
-        say(f"timing the target on llama.cpp ({kernel})")
-        backend = loaders.llama_target(kernel)
-        context = context or _context(backend.num_embeddings)
-        costs[kernel] = _target_cost(time_interleaved({kernel: backend}, context, {kernel: SIZES})[kernel])
-        backend.close()  # llama.cpp's model and context, now rather than at collection
-        del backend
+    file_kernels = [k for k in targets if k in FILE_KERNELS]
+    if file_kernels:  # timed side by side: the same file's weights, computed two ways
+        say(f"timing the target's GGUF file ({', '.join(file_kernels)})")
+        backends = {kernel: loaders.file_target(kernel) for kernel in file_kernels}
+        context = context or _context(next(iter(backends.values())).num_embeddings)
+        with torch.inference_mode():
+            times = time_interleaved(backends, context, {kernel: SIZES for kernel in backends})
+        costs.update({kernel: _target_cost(t) for kernel, t in times.items()})
+        for backend in backends.values():
+            getattr(backend, "close", lambda: None)()  # llama.cpp's model and context, now rather than at collection
+        del backends
         _release()
     draft_costs = _time_drafts(loaders, draft_kinds, context, say)
     if "float32-packed" in targets and loaders.pack is not None and bf16_bytes is not None:
