@@ -330,7 +330,13 @@ static std::vector<float> group_sums(const bf16* x, int64_t M, int64_t K, int64_
 
 // Σ a·b over n floats in a fixed order (vector lanes by index, then their fixed sum)
 static float dot_f32(const float* a, const float* b, int64_t n) {
-#if SD_ISA >= 1
+#if SD_ISA == 2
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    const __mmask16 rest = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    return hsum(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(rest, a + i), _mm512_maskz_loadu_ps(rest, b + i), acc));
+#elif SD_ISA >= 1
     vfloat acc = vset(0.0f);
     int64_t i = 0;
     for (; i + VL <= n; i += VL) acc = vfma(vload(a + i), vload(b + i), acc);
@@ -345,33 +351,89 @@ static float dot_f32(const float* a, const float* b, int64_t n) {
 #endif
 }
 
+#if SD_ISA == 2
+// AVX-512: MG activation rows × NT weight rows at once (the draft's one-row steps are latency-bound
+// on one weight row's chain; NT rows give NT independent chains and share each activation load).
+// y[i, n] accumulates, per block of 64 inputs, dpbf16(x, codes)·s for each half in one chain: the
+// same sequence whatever MG and NT.
+template <int MG, int NT>
+static void q4_tile_nt(const bf16* x, int64_t ldx, const float* xsums, int64_t m0, const uint8_t* codes,
+                       const float* s, const float* t, int64_t K, const float* bias, int64_t n0, void* y,
+                       int64_t ldy, bool out_f32) {
+    const int64_t groups = K / 32;
+    static const __m512i table = _mm512_set_epi16(  // bfloat16 of 0..15, twice
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040,
+        0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
+        0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    __m512 acc[MG][NT];
+    for (int i = 0; i < MG; ++i)
+        for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < K / 64; ++b) {
+        __m512bh w0[NT], w1[NT];
+        for (int j = 0; j < NT; ++j) {
+            const uint8_t* row = codes + (n0 + j) * (K / 2) + 32 * b;
+            _mm_prefetch(reinterpret_cast<const char*>(row + 1024), _MM_HINT_T0);
+            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+            w0[j] = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(packed, low)), table);
+            w1[j] = (__m512bh)_mm512_permutexvar_epi16(
+                _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low)), table);
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < MG; ++i) {
+            const bf16* row = x + (m0 + i) * ldx + 64 * b;
+            const __m512bh x0 = load_bh(row), x1 = load_bh(row + 32);
+#pragma GCC unroll 4
+            for (int j = 0; j < NT; ++j) {
+                const float* scale = s + (n0 + j) * groups + 2 * b;
+                acc[i][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x0, w0[j]), _mm512_set1_ps(scale[0]),
+                                            acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x1, w1[j]), _mm512_set1_ps(scale[1]),
+                                            acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < MG; ++i)
+        for (int j = 0; j < NT; ++j) {
+            const int64_t n = n0 + j;
+            const float v = hsum(acc[i][j]) + dot_f32(t + n * groups, xsums + (m0 + i) * groups, groups) +
+                            (bias ? bias[n] : 0.0f);
+            if (out_f32)
+                static_cast<float*>(y)[(m0 + i) * ldy + n] = v;
+            else
+                static_cast<bf16*>(y)[(m0 + i) * ldy + n] = f32_to_bf16(v);
+        }
+}
+
+static const int Q4_NT = 4;    // weight rows per tile
+static const int Q4_MG = 4;    // activation rows per tile
+
+#define SD_Q4NT_CASE(G) case G: q4_tile_nt<G, NT>(x, ldx, xsums, m, codes, s, t, K, bias, n0, y, ldy, out_f32); break;
+
+// all M rows against weight rows n0 … n0 + NT − 1
+template <int NT>
+static void q4_rows_nt(const bf16* x, int64_t ldx, const float* xsums, int64_t M, const uint8_t* codes,
+                       const float* s, const float* t, int64_t K, const float* bias, int64_t n0, void* y,
+                       int64_t ldy, bool out_f32) {
+    for (int64_t m = 0; m < M;) {
+        const int g = static_cast<int>(std::min<int64_t>(M - m, Q4_MG));
+        switch (g) {
+            SD_Q4NT_CASE(1) SD_Q4NT_CASE(2) SD_Q4NT_CASE(3) SD_Q4NT_CASE(4)
+            default: break;
+        }
+        m += g;
+    }
+}
+#endif
+
+#if SD_ISA != 2
+// AVX2 and portable: one weight row at a time
 template <int MG>
 static void q4_tile(const bf16* x, int64_t ldx, const float* xsums, int64_t m0, const uint8_t* codes, const float* s,
                     const float* t, int64_t K, float bias, int64_t n, void* y, int64_t ldy, bool out_f32) {
     const int64_t groups = K / 32;
     float sums[MG];
-#if SD_ISA == 2
-    static const __m512i table = _mm512_set_epi16(  // bfloat16 of 0..15, twice
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040,
-        0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
-        0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
-    __m512 acc[MG][2];  // two chains per row (the block's halves): a one-row step is latency-bound
-    for (int i = 0; i < MG; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int64_t b = 0; b < K / 64; ++b) {
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * b));
-        const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(packed, low)), table);
-        const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(
-            _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low)), table);
-        const __m512 s0 = _mm512_set1_ps(s[2 * b]), s1 = _mm512_set1_ps(s[2 * b + 1]);
-        for (int i = 0; i < MG; ++i) {
-            const bf16* row = x + (m0 + i) * ldx + 64 * b;
-            acc[i][0] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), load_bh(row), w0), s0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), load_bh(row + 32), w1), s1, acc[i][1]);
-        }
-    }
-    for (int i = 0; i < MG; ++i) sums[i] = hsum(_mm512_add_ps(acc[i][0], acc[i][1]));
-#elif SD_ISA == 1
+#if SD_ISA == 1
     __m256 acc[MG];
     for (int i = 0; i < MG; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / 64; ++b)
@@ -427,6 +489,7 @@ static void q4_row(const bf16* x, int64_t ldx, const float* xsums, int64_t M, co
         m += g;
     }
 }
+#endif
 
 extern "C" {
 
@@ -569,6 +632,18 @@ void sd_attention(const bf16* q, int64_t B, int64_t T, int64_t Hq, int64_t D, co
 void sd_linear_q4(const bf16* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes, const float* s,
                   const float* t, int64_t N, const float* bias, void* y, int64_t ldy, int out_f32, int threads) {
     const std::vector<float> xsums = group_sums(x, M, K, ldx);
+#if SD_ISA == 2
+    const int64_t units = (N + Q4_NT - 1) / Q4_NT;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t n0 = u * Q4_NT;
+        if (n0 + Q4_NT <= N)
+            q4_rows_nt<Q4_NT>(x, ldx, xsums.data(), M, codes, s, t, K, bias, n0, y, ldy, out_f32);
+        else
+            for (int64_t n = n0; n < N; ++n)
+                q4_rows_nt<1>(x, ldx, xsums.data(), M, codes, s, t, K, bias, n, y, ldy, out_f32);
+    }
+#else
     const int64_t groups = K / 32;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; ++n) {
@@ -576,6 +651,7 @@ void sd_linear_q4(const bf16* x, int64_t M, int64_t K, int64_t ldx, const uint8_
         q4_row(x, ldx, xsums.data(), M, codes + n * (K / 2), s + n * groups, t + n * groups, K,
                bias ? bias[n] : 0.0f, n, y, ldy, out_f32);
     }
+#endif
 }
 
 }  // extern "C"

@@ -177,7 +177,10 @@ def candidates_of(config: DecoderConfig, quantization: str) -> tuple[tuple[str, 
         own = (TargetKernel.GGUF_INVARIANT.value,) if _kquant_candidate(config) else ()
         targets = own if config.batch_invariant is True else (TargetKernel.LLAMA_GGUF.value,) + own
     else:
-        torch_kernels = ("bfloat16", "float32-packed") if config.backend != "llama.cpp" else ()
+        # the float32 target reads twice the bytes: where bfloat16 products are native it cannot win,
+        # and timing it would hold a float32 copy (twice the memory) for nothing
+        torch_kernels = (("bfloat16",) + (() if native_bfloat16() else ("float32-packed",))) \
+            if config.backend != "llama.cpp" else ()
         if _invariant_candidate(config, parse_device(config.device)):
             torch_kernels = (TargetKernel.BFLOAT16_INVARIANT.value,) if config.batch_invariant is True \
                 else torch_kernels + (TargetKernel.BFLOAT16_INVARIANT.value,)

@@ -2,7 +2,8 @@
 time, and choose by Eq. 1 with the measured r(k) (specdecode.tune.costs).
 
 Candidates on a CPU. The target: bfloat16 as torch runs it, bfloat16 whose one-row calls skip
-oneDNN for torch's own matrix-vector kernels, float32 with oneDNN-packed weights
+oneDNN for torch's own matrix-vector kernels, float32 with oneDNN-packed weights (without native
+bfloat16 only)
 (specdecode.models.packed), and, with llama-cpp-python and a GGUF file, llama.cpp on a BF16 GGUF
 of the same weights (dtype="gguf": llama.cpp on the file as it is). The draft, whose dtype is free
 (the verifier needs only its q): each of its kernels (int4, int8, its float weights; only the one
@@ -13,10 +14,12 @@ its GGUF file as it is on llama.cpp.
 
 Memory. Candidates are loaded one target at a time and freed before the next, so the peak is the
 largest candidate, not their sum. The float32 target (twice the bfloat16 bytes, plus a packed
-copy of a tied LM head) is timed only when it could win: its step cannot be faster than reading
-its weights once at this machine's measured memory bandwidth, nor its verify cheaper than that
-step, and where even that bound loses to a measured candidate it is not loaded (on a machine with
-native bfloat16 it never is).
+copy of a tied LM head) is a candidate only on CPUs without native bfloat16 products, and there
+it is timed only when it could win: its step cannot be faster than reading its weights once at
+this machine's measured memory bandwidth, nor its verify cheaper than that step, and where even
+that bound loses to a measured candidate it is not loaded. (On an AMX Xeon with a 480 MiB L3 the
+bandwidth measure, a 1 GiB sum, read partly from cache and let the bound pass: the float32 copy
+then set the first run's peak memory, 14.6 GB.)
 """
 
 from __future__ import annotations
@@ -105,7 +108,8 @@ def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: 
     Args:
         loaders: how to load each candidate (Loaders).
         targets: the target kernels to time (TargetKernel values): "bfloat16" (with its gemv
-            variant, on one model), "float32-packed" (timed only where it could win: see the
+            variant, on one model), "float32-packed" (a candidate only without native bfloat16,
+            and timed only where it could win: see the
             module doc), "llama.cpp-bf16", "llama.cpp-gguf", "gguf-invariant".
         draft_kinds: the draft kernels to time ("int4", "int8", "none": torch; "gguf": its GGUF on
             llama.cpp); empty for no draft.
