@@ -137,6 +137,9 @@ class DecoderConfig:
             from_pretrained device_map); offload_folder: where accelerate keeps "disk" layers.
     Batch and defaults:
         max_batch_size: the most requests decoded together (None: no limit).
+        max_model_len: the most tokens a request may hold, prompt and output together, below the
+            target's own context window (None: the window): a longer prompt is refused with a
+            ValueError (400 in the server), an output stops there (finish_reason "length").
         use_generation_config: apply the target's generation_config values that can be applied
             exactly (repetition_penalty, no_repeat_ngram_size); others are named in a warning.
     """
@@ -163,6 +166,7 @@ class DecoderConfig:
     device_map: DeviceMap | dict | None = None
     offload_folder: str | None = None
     max_batch_size: int | None = None
+    max_model_len: int | None = None
     use_generation_config: bool = True
 
     @classmethod
@@ -236,6 +240,8 @@ class DecoderConfig:
                 or not all(_is_number(x) and math.isfinite(x) and x >= 0 for x in self.guard_costs)):
             raise ValueError(f"guard_costs must be two or three finite numbers >= 0 (c, slope[, base]), "
                              f"got {self.guard_costs!r}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be None or an integer >= 2, got {self.max_model_len!r}")
         if self.max_batch_size is not None and (not _is_int(self.max_batch_size) or self.max_batch_size < 1):
             raise ValueError(f"max_batch_size must be None or an integer >= 1, got {self.max_batch_size!r}")
         if self.batch_invariant not in (True, False, "auto") or isinstance(self.batch_invariant, int) \

@@ -106,6 +106,23 @@ def test_prompt_longer_than_context_window_raises(decoder):
         decoder.generate([5] * 300, max_new_tokens=4)
 
 
+def test_max_model_len_caps_prompt_and_output_below_the_models_window(model_dirs, capsys):
+    capped = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float32", max_model_len=12)
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    with pytest.raises(ValueError, match="context window is 12"):
+        capped.generate([5] * 13, max_new_tokens=1)
+    result = capped.generate([5, 6, 7, 8, 9], max_new_tokens=50, sampling=greedy)
+    assert len(result.token_ids) == 7 and result.finish_reason == "length"  # 5 + 7 = 12 tokens held
+    whole = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float32")
+    assert whole.generate([5, 6, 7, 8, 9], max_new_tokens=7, sampling=greedy).token_ids == result.token_ids
+    for bad in (1, 2.5, "9"):
+        with pytest.raises(ValueError, match="max_model_len"):
+            SpeculativeDecoder(model_dirs["target"], None, max_model_len=bad)
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "abc", "--target", model_dirs["target"], "-c", "1"])
+    assert exit_.value.code == 2 and "--max-model-len" in capsys.readouterr().err
+
+
 def test_cli_json_output(model_dirs, capsys):
     code = main(["generate", "abc", "--target", model_dirs["target"], "--draft", model_dirs["draft"],
                  "--temperature", "0", "--max-new-tokens", "12", "--dtype", "float32", "--json", "--quiet"])

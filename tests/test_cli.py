@@ -344,3 +344,49 @@ def test_version(capsys):
     with pytest.raises(SystemExit, match="^0$"):
         main(["--version"])
     assert capsys.readouterr().out.strip() == f"specdecode {__version__}"
+
+
+@pytest.fixture(scope="module")
+def chat_model_dirs(model_dirs, tmp_path_factory):
+    """The tiny target with a chat template (each message's text, then a space)."""
+    import json
+    import shutil
+
+    root = tmp_path_factory.mktemp("chat")
+    shutil.copytree(model_dirs["target"], root / "target")
+    config_path = root / "target" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    config_path.write_text(json.dumps(config))
+    return {"target": str(root / "target"), "plain": model_dirs["target"], "draft": model_dirs["draft"]}
+
+
+def test_chat_streams_a_reply_per_message_keeps_the_conversation_and_resets(chat_model_dirs, monkeypatch, capsys):
+    import io
+
+    from specdecode import SpeculativeDecoder, SamplingParams
+
+    lines = "abc\n\n/reset\nabc\nhead\n/exit\nnever read\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    argv = ["chat", "--target", chat_model_dirs["target"], "--draft", chat_model_dirs["draft"], "--dtype", "float32",
+            "--temperature", "0", "--max-new-tokens", "6"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    replies = out.splitlines()
+    assert len(replies) == 3 and replies[0] == replies[1]  # /reset: the same first message, the same reply
+    assert err.count("tokens/s") == 3 and "(conversation cleared)" in err
+    # the third reply saw the whole conversation: what generate gives for the template of all of it
+    decoder = SpeculativeDecoder(chat_model_dirs["target"], chat_model_dirs["draft"], dtype="float32")
+    ids = decoder.requests.chat_ids([{"role": "user", "content": "abc"}, {"role": "assistant", "content": replies[1]},
+                                     {"role": "user", "content": "head"}])
+    expected = decoder.generate(ids, max_new_tokens=6, sampling=SamplingParams(temperature=0))
+    assert replies[2] == expected.text
+
+
+def test_chat_without_a_chat_template_exits_2_with_one_line(chat_model_dirs, monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--target", chat_model_dirs["plain"], "--draft", "none", "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) >= 1 and "chat template" in err[-1]

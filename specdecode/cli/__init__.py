@@ -1,6 +1,6 @@
 """The `specdecode` command: parses, builds dataclasses, calls the library, prints.
 
-One module per command (generate, alpha, bench, serve, batch, tune), each with `add_parser(sub)` and `run(args, parser)`;
+One module per command (generate, chat, alpha, bench, serve, batch, tune), each with `add_parser(sub)` and `run(args, parser)`;
 `common` holds the shared model and speed flags, prompt reading, progress and the decoder.
 """
 
@@ -10,9 +10,9 @@ import argparse
 import os
 import sys
 
-from specdecode.cli import alpha, batch, bench, generate, serve, tune
+from specdecode.cli import alpha, batch, bench, chat, generate, serve, tune
 
-COMMANDS = {"generate": generate, "alpha": alpha, "bench": bench, "serve": serve, "batch": batch, "tune": tune}
+COMMANDS = {"generate": generate, "chat": chat, "alpha": alpha, "bench": bench, "serve": serve, "batch": batch, "tune": tune}
 
 
 class Parser(argparse.ArgumentParser):

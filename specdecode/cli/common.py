@@ -94,11 +94,12 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="the target's numerics. auto (default): the bfloat16 (or float32) model of the "
                              "weights, computed by the kernels this machine runs fastest (timed once and cached; one "
                              "line says which); bfloat16, float32, float16, float64: torch in that dtype (float32 "
-                             "for bit-exact comparisons); gguf: llama.cpp in the GGUF file's own quantization")
+                             "for bit-exact comparisons); gguf: the GGUF file's own quantization, on llama.cpp or on "
+                             "specdecode's kernels (whichever is faster here)")
     parser.add_argument("--batch-invariant", default="auto", choices=("auto", "on", "off"),
                         help="compute each token's logits with the same bits alone, in a verify or beside other "
-                             "requests (specdecode's own bfloat16 kernels): greedy speculative output equals plain "
-                             "greedy output token for token. auto (default): where those kernels run and, with "
+                             "requests (specdecode's own kernels, bfloat16 or a GGUF file's Q4_K/Q6_K blocks): greedy "
+                             "speculative output equals plain greedy output token for token. auto (default): where those kernels run and, with "
                              "--dtype auto, are within 5%% of the fastest; on: always (exit 2 where they cannot); "
                              "off: never")
     parser.add_argument("--backend", default=DEFAULTS.backend, choices=get_args(options.Backend),
@@ -114,6 +115,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", "-t", type=int, default=None, metavar="N",
                         help="CPU threads for torch and llama.cpp (default: torch's, one per core); the choice of "
                              "kernels is timed and cached per thread count")
+    parser.add_argument("--max-model-len", "-c", type=int, default=None, metavar="N",
+                        help="the most tokens a request may hold, prompt and output together (default: the "
+                             "target's context window): longer prompts are refused, outputs stop there")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress messages, progress bars or summary on stderr (errors still print)")
 
@@ -129,7 +133,8 @@ def decoder_config(args, parser: argparse.ArgumentParser, **extra) -> DecoderCon
                   draft_vocab_limit="auto" if args.draft_vocab_limit is None else args.draft_vocab_limit,
                   quantize_draft=args.quantize_draft, guard=args.guard, dtype=args.dtype, backend=args.backend,
                   batch_invariant={"auto": "auto", "on": True, "off": False}[args.batch_invariant],
-                  device_map=args.device_map, use_generation_config=not args.ignore_generation_config)
+                  device_map=args.device_map, max_model_len=args.max_model_len,
+                  use_generation_config=not args.ignore_generation_config)
     if args.threads is not None:
         if args.threads < 1:
             parser.error(f"--threads must be >= 1, got {args.threads}")

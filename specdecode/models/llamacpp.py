@@ -191,6 +191,7 @@ class LlamaCppLM:
         self.n_threads = n_threads or torch.get_num_threads()
         self.n_batch, self.n_ubatch = n_batch, min(n_ubatch, n_batch)
         self.kv_type, self.flash_attn, self.grow = kv_type, flash_attn, grow
+        self._limit = None  # a lower context limit set through max_length
         self.max_rows = max_rows
         self._scratch = max_rows  # the sequence score() reads into
         self.device = torch.device("cpu")
@@ -235,9 +236,14 @@ class LlamaCppLM:
 
     @property
     def max_length(self) -> int | None:
-        if self.grow:
-            return self._n_ctx_train
-        return self.n_ctx if self._n_ctx_train is None else min(self._n_ctx_train, self.n_ctx)
+        own = self._n_ctx_train if self.grow else \
+            self.n_ctx if self._n_ctx_train is None else min(self._n_ctx_train, self.n_ctx)
+        return own if self._limit is None else self._limit if own is None else min(own, self._limit)
+
+    @max_length.setter
+    def max_length(self, limit: int | None) -> None:
+        """A lower limit than the model's (DecoderConfig.max_model_len); None lifts it."""
+        self._limit = limit
 
     def _room_for(self, new_tokens: int) -> None:
         """Make the context hold the rows' tokens plus new_tokens more (grow it, or refuse)."""

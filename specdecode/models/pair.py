@@ -134,6 +134,9 @@ class Pair:
             if self.device.type != "cpu" and config.quantize_draft in QUANTIZATION_BITS:
                 raise ValueError(f"quantize_draft={config.quantize_draft!r}: the int8/int4 draft kernels run on the "
                                  f"CPU only; the device_map put the target on {self.device}: pass 'auto' or 'none'")
+        if config.max_model_len is not None:  # a lower limit than the model's own window
+            own = self.target.backend.max_length
+            self.target.backend.max_length = config.max_model_len if own is None else min(own, config.max_model_len)
         self.tokenizer = self.target.tokenizer
         self.is_encoder_decoder = isinstance(self.target.backend, Seq2SeqLM)
         if self.is_encoder_decoder and isinstance(draft, str) and draft in zoo.ZOO:
