@@ -570,9 +570,16 @@ def test_a_grammar_constrains_the_output(server):
 
 @pytest.mark.real_model
 def test_the_default_pair_serves_speculative_greedy_equal_to_plain_greedy():
-    # One server with the default pair in float32; a request with num_speculative_tokens = 0 is
-    # plain decoding on the same target, so the two texts must agree token for token.
-    s = Server(None, "--max-batch-size", "2")
+    # One server with the default pair on the batch-invariant bfloat16 kernels; a request with
+    # num_speculative_tokens = 0 is plain decoding on the same target, so the two texts must agree
+    # token for token. (In float32 this test failed once in three runs on an AMX Xeon, 2026-12-06,
+    # its assertion not captured: oneDNN's float32 products are not promised to round one row as
+    # several; only the invariant kernels promise the equality everywhere.)
+    from specdecode import native
+
+    if not native.available():
+        pytest.skip("no C++ compiler for specdecode's batch-invariant kernels")
+    s = Server(None, "--max-batch-size", "2", "--dtype", "bfloat16", "--batch-invariant", "on")
     try:
         prompt = "def fibonacci(n):\n"
         spec = complete(s, prompt, max_tokens=32)
