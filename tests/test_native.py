@@ -291,3 +291,21 @@ def test_kquant_refuses_other_shapes_and_types_and_propagates_nan():
     x[1, 7] = float("nan")
     y = native.linear_kq(x, weights, out_float32=True)
     assert bool(y[0].isfinite().all()) and bool(y[1].isnan().all())
+
+
+@pytest.mark.parametrize("batch,width", [(1, 1), (2, 5), (3, 17)])
+def test_rope_split_rounds_as_transformers_bfloat16_rotary(batch, width):
+    heads, kv_heads, dim = 4, 2, 64
+    qkv = bf16(batch, width, (heads + 2 * kv_heads) * dim, seed=41)
+    angles = torch.rand(batch, width, dim // 2, generator=torch.Generator().manual_seed(42)) * 100
+    cos, sin = torch.cat([angles, angles], -1).cos().bfloat16(), torch.cat([angles, angles], -1).sin().bfloat16()
+    q, k, v = native.rope_split(qkv, cos, sin, heads, kv_heads, dim)
+
+    def rotate(x):  # transformers' apply_rotary_pos_emb in bfloat16
+        half = dim // 2
+        return x * cos[:, :, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, :, None]
+
+    q_ref, k_ref, v_ref = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    assert torch.equal(q, rotate(q_ref.reshape(batch, width, heads, dim)))
+    assert torch.equal(k, rotate(k_ref.reshape(batch, width, kv_heads, dim)).transpose(1, 2))
+    assert torch.equal(v, v_ref.reshape(batch, width, kv_heads, dim).transpose(1, 2))

@@ -122,17 +122,16 @@ def _fused(linears: list, share: bool):
 class _Layer:
     """One decoder layer's products (fused q|k|v and gate|up), norms and their epsilons."""
 
-    def __init__(self, qkv, splits: list[int], o, gate_up, down, norm1, norm2, eps1: float, eps2: float):
-        self.qkv, self.splits, self.o, self.gate_up, self.down = qkv, splits, o, gate_up, down
+    def __init__(self, qkv, o, gate_up, down, norm1, norm2, eps1: float, eps2: float):
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.norm1, self.norm2, self.eps1, self.eps2 = norm1, norm2, eps1, eps2
 
     @classmethod
     def of(cls, layer, share: bool) -> "_Layer":
         """A transformers layer's, on its own weights (see _fused)."""
         attn, mlp = layer.self_attn, layer.mlp
-        return cls(_fused([attn.q_proj, attn.k_proj, attn.v_proj], share),
-                   [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features],
-                   _fused([attn.o_proj], False), _fused([mlp.gate_proj, mlp.up_proj], share), _fused([mlp.down_proj], False),
+        return cls(_fused([attn.q_proj, attn.k_proj, attn.v_proj], share), _fused([attn.o_proj], False),
+                   _fused([mlp.gate_proj, mlp.up_proj], share), _fused([mlp.down_proj], False),
                    layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                    layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon)
 
@@ -205,28 +204,19 @@ class InvariantDecoder:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._head(hidden, out_float32=True)
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
                  cache) -> torch.Tensor:
         batch, width = input_ids.shape
         x = self.embed(input_ids)
         self._rope_table(int(position_ids.max()) + 1)
-        cos, sin = self._cos[position_ids][:, :, None], self._sin[position_ids][:, :, None]  # [B, T, 1, D]
+        cos, sin = self._cos[position_ids], self._sin[position_ids]  # [B, T, D]
         # once per forward, in the bytes the kernel reads (every layer attends with the same mask)
         allowed = None if attention_mask is None else (attention_mask[:, 0] == 0).to(torch.uint8).contiguous()
-        dim = self.head_dim
         for index, layer in enumerate(self.layers):
             h = native.rms_norm(x, layer.norm1, layer.eps1)
-            q, k, v = layer.qkv(h).split(layer.splits, dim=-1)
-            q = self._rotate(q.view(batch, width, self.num_heads, dim), cos, sin)
-            k = self._rotate(k.view(batch, width, self.num_kv_heads, dim), cos, sin)
-            k = k.transpose(1, 2).contiguous()
-            v = v.reshape(batch, width, self.num_kv_heads, dim).transpose(1, 2).contiguous()
+            # q, k, v with the rotary embedding, rounded as transformers' bfloat16 arithmetic does
+            q, k, v = native.rope_split(layer.qkv(h), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
             k, v = cache.update(k, v, index)
             attended = native.attention(q, k, v, allowed, self.scaling)
             x = x + layer.o(attended.view(batch, width, -1))

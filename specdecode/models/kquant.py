@@ -164,8 +164,7 @@ def kquant_decoder(path, config=None):
     for i in range(config.num_hidden_layers):
         block = f"blk.{i}"
         qkv = [f"{block}.attn_q", f"{block}.attn_k", f"{block}.attn_v"]
-        layers.append(_Layer(product(qkv, hidden), [outputs(name) for name in qkv],
-                             product([f"{block}.attn_output"], hidden),
+        layers.append(_Layer(product(qkv, hidden), product([f"{block}.attn_output"], hidden),
                              product([f"{block}.ffn_gate", f"{block}.ffn_up"], hidden),
                              product([f"{block}.ffn_down"], config.intermediate_size),
                              _floats(table, f"{block}.attn_norm.weight").bfloat16(),

@@ -18,7 +18,7 @@ import torch
 from specdecode.native.build import NativeUnavailable, available, isa, load
 
 __all__ = ["NativeUnavailable", "available", "isa", "linear", "linear_q4", "KQuantWeights", "linear_kq", "rms_norm",
-           "silu_mul", "attention"]
+           "silu_mul", "rope_split", "attention"]
 
 # GGML type ids of the blocks linear_kq reads
 KQUANT_TYPES = {"Q4_K": 12, "Q6_K": 14}
@@ -136,6 +136,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     load().sd_silu_mul(rows.data_ptr(), rows.data_ptr() + 2 * inner, rows.shape[1], rows.shape[0], inner,
                        out.data_ptr(), _threads())
     return out.view(*gate_up.shape[:-1], inner)
+
+
+def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+               dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of a fused q|k|v product with the rotary embedding applied to q and k, rounded as
+    transformers' bfloat16 arithmetic rounds x·cos + rotate_half(x)·sin.
+
+    qkv [B, T, (heads + 2·kv_heads)·dim] bfloat16; cos, sin [B, T, dim] bfloat16 (each token's
+    position's) → q [B, T, heads, dim], k and v [B, kv_heads, T, dim] (the cache's layout).
+    """
+    batch, width = qkv.shape[:2]
+    rows = qkv.reshape(batch * width, -1)
+    if rows.stride(-1) != 1 or rows.stride(0) < rows.shape[1]:
+        rows = rows.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    q = torch.empty((batch, width, heads, dim), dtype=torch.bfloat16)
+    k = torch.empty((batch, kv_heads, width, dim), dtype=torch.bfloat16)
+    v = torch.empty_like(k)
+    load().sd_rope_split(rows.data_ptr(), rows.stride(0), batch, width, heads, kv_heads, dim, cos.data_ptr(),
+                         sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), _threads())
+    return q, k, v
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,

@@ -138,8 +138,9 @@ def load() -> ctypes.CDLL:
     lib.sd_linear_q4.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i32, i32]
     lib.sd_rms_norm.argtypes = [ptr, i64, i64, ptr, f32, ptr, i32]
     lib.sd_silu_mul.argtypes = [ptr, ptr, i64, i64, i64, ptr, i32]
+    lib.sd_rope_split.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i32]
     lib.sd_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, f32, ptr, i32]
-    for name in ("sd_linear", "sd_linear_q4", "sd_linear_kq", "sd_rms_norm", "sd_silu_mul", "sd_attention"):
+    for name in ("sd_linear", "sd_linear_q4", "sd_linear_kq", "sd_rms_norm", "sd_silu_mul", "sd_rope_split", "sd_attention"):
         getattr(lib, name).restype = None
     return lib
 

@@ -557,6 +557,34 @@ void sd_silu_mul(const bf16* gate, const bf16* up, int64_t ld, int64_t M, int64_
     }
 }
 
+// q, k, v of a fused q|k|v product, the rotary embedding applied to q and k as transformers' bfloat16
+// arithmetic rounds it (x·cos + rotate_half(x)·sin, each product and the sum rounded to bfloat16):
+//   qkv [B·T rows, ld] bfloat16 (q: Hq·D, then k: Hkv·D, then v: Hkv·D); cos, sin [B·T, D];
+//   q_out [B, T, Hq, D]; k_out, v_out [B, Hkv, T, D] (the cache's layout).
+void sd_rope_split(const bf16* qkv, int64_t ld, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                   const bf16* cos, const bf16* sin, bf16* q_out, bf16* k_out, bf16* v_out, int threads) {
+    const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (B * T > 8)
+    for (int64_t r = 0; r < B * T; ++r) {
+        const int64_t b = r / T, t = r % T;
+        const bf16* row = qkv + r * ld;
+        const bf16* c = cos + r * D;
+        const bf16* sn = sin + r * D;
+        for (int64_t h = 0; h < Hq + Hkv; ++h) {
+            const bf16* x = row + h * D;
+            bf16* out = h < Hq ? q_out + (r * Hq + h) * D : k_out + ((b * Hkv + h - Hq) * T + t) * D;
+            for (int64_t d = 0; d < D; ++d) {
+                const float rot = d < half ? -bf16_to_f32(x[d + half]) : bf16_to_f32(x[d - half]);
+                const float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[d]) * bf16_to_f32(c[d])));
+                const float e = bf16_to_f32(f32_to_bf16(rot * bf16_to_f32(sn[d])));
+                out[d] = f32_to_bf16(a + e);
+            }
+        }
+        for (int64_t h = 0; h < Hkv; ++h)
+            std::memcpy(v_out + ((b * Hkv + h) * T + t) * D, row + (Hq + Hkv + h) * D, D * sizeof(bf16));
+    }
+}
+
 // Attention of B·T query rows over a KV cache.
 //   q [B, T, Hq, D] bfloat16 (dense); k, v: element (b, h, s, d) at b·kv_b + h·kv_h + s·D + d;
 //   allowed [B, T, S] bytes (1: the query sees that slot), or null: query t sees slots
