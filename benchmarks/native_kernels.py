@@ -6,9 +6,12 @@
    picks it) and the same without oneDNN (torch's own kernels); the best of --repeats sweeps, the
    kernels interleaved. Beside them the memory line: the weights read once at this machine's
    measured bandwidth.
-2. The whole target forward per kernel (the choice's candidates): a one-token step, r(k) = a k-token
+2. The same products on the shipped Q4_K_M file's own blocks (Q4_K and Q6_K, memory-mapped, 0.99
+   GB): specdecode.native.linear_kq, against its memory line.
+3. The whole target forward per kernel (the choice's candidates): a one-token step, r(k) = a k-token
    call over a step, and a 64-token prompt read per token; torch bfloat16, bfloat16-invariant and,
-   with llama-cpp-python, llama.cpp on a BF16 GGUF of the same weights.
+   with llama-cpp-python, llama.cpp on a BF16 GGUF of the same weights; then the Q4_K_M file on
+   specdecode's K-quant kernels (gguf-invariant) and on llama.cpp (llama.cpp-gguf).
 
     python benchmarks/native_kernels.py --out docs/results/native_kernels_NAME
 Emulating an AVX2-only CPU on an AVX-512 one (torch, oneDNN and specdecode's build capped):
@@ -23,13 +26,15 @@ import time
 import torch
 
 from specdecode import native
-from specdecode.models import HFCausalLM, llamacpp, zoo
+from specdecode.models import HFCausalLM, kquant, llamacpp, zoo
+from specdecode.models.gguf_files import TensorTable
 from specdecode.models.kernels import without_onednn
 from specdecode.tune.candidates import memory_bandwidth_gbs
 from specdecode.tune.hardware import cpu_report, describe
 from specdecode.tune.timing import time_interleaved
 
 LAYERS, HIDDEN, INTER, QKV, VOCAB = 28, 1536, 8960, 2048, 151936
+BANDWIDTH_GIB = 4  # the bandwidth's sum reads this much: more than any cache (an AMX Xeon VM reports 480 MiB of L3)
 
 
 def products(rows: list[int], repeats: int) -> dict:
@@ -52,9 +57,32 @@ def products(rows: list[int], repeats: int) -> dict:
                 for w in weights:
                     kernel(inputs[w.shape[1]], w)
                 best[name, m] = min(best.get((name, m), float("inf")), time.perf_counter() - start)
-    bandwidth = memory_bandwidth_gbs()
+    bandwidth = memory_bandwidth_gbs(BANDWIDTH_GIB)
     return {"gigabytes": gigabytes, "bandwidth_gbs": bandwidth, "memory_line_ms": 1e3 * gigabytes / bandwidth,
             "ms": {name: {m: 1e3 * best[name, m] for m in rows} for name in kernels}}
+
+
+def gguf_products(rows: list[int], repeats: int) -> dict:
+    table = TensorTable(zoo.gguf_file(zoo.DEFAULT_TARGET))
+    products = []
+    for i in range(LAYERS):
+        for names, inputs in ((["attn_q", "attn_k", "attn_v"], HIDDEN), (["attn_output"], HIDDEN),
+                              (["ffn_gate", "ffn_up"], HIDDEN), (["ffn_down"], INTER)):
+            parts = [(table.blocks(f"blk.{i}.{n}.weight"), table.type_name(f"blk.{i}.{n}.weight")) for n in names]
+            products.append(native.KQuantWeights(parts, inputs))
+    products.append(native.KQuantWeights([(table.blocks("output.weight"), table.type_name("output.weight"))], HIDDEN))
+    gigabytes = sum(array.nbytes for w in products for array in w._keep) / 1e9
+    best = {}
+    for m in rows:
+        inputs = {k: torch.randn(m, k).bfloat16() for k in (HIDDEN, INTER)}
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for w in products:
+                native.linear_kq(inputs[w.inputs], w)
+            best[m] = min(best.get(m, float("inf")), time.perf_counter() - start)
+    bandwidth = memory_bandwidth_gbs(BANDWIDTH_GIB)
+    return {"gigabytes": gigabytes, "bandwidth_gbs": bandwidth, "memory_line_ms": 1e3 * gigabytes / bandwidth,
+            "ms": {"specdecode.native K-quant": {m: 1e3 * best[m] for m in rows}}}
 
 
 def forwards(sizes: list[int], repeats: int, llama: bool) -> dict:
@@ -67,6 +95,13 @@ def forwards(sizes: list[int], repeats: int, llama: bool) -> dict:
     context = [(100 + i * 7919) % 30000 for i in range(64)]
     with torch.inference_mode():
         times = time_interleaved(backends, context, {name: sizes for name in backends}, repeats=repeats)
+    del backends, model
+    source = zoo.gguf_file(zoo.DEFAULT_TARGET)
+    files = {"gguf-invariant": kquant.kquant_model(source)}
+    if llama and llamacpp.available():
+        files["llama.cpp-gguf"] = llamacpp.LlamaCppLM(source, max_rows=1)
+    with torch.inference_mode():
+        times.update(time_interleaved(files, context, {name: sizes for name in files}, repeats=repeats))
     return {name: {"step_ms": 1e3 * t[1], "r": {k: t[k] / t[1] for k in sizes if k > 1},
                    "read_ms_per_token": 1e3 * t[max(sizes)] / max(sizes)} for name, t in times.items()}
 
@@ -84,6 +119,12 @@ def markdown(result: dict) -> str:
     for name, ms in p["ms"].items():
         one = ms[rows[0]]
         lines.append(f"| {name} | " + " | ".join(f"{ms[m]:.0f} ms (r {ms[m] / one:.2f})" for m in rows) + " |")
+    g = result["gguf_products"]
+    lines += ["", f"## The Q4_K_M file's own blocks ({g['gigabytes']:.2f} GB of Q4_K and Q6_K blocks)", "",
+              f"Memory line: {g['memory_line_ms']:.0f} ms at {g['bandwidth_gbs']:.1f} GB/s.", "",
+              "| kernel | " + " | ".join(f"M={m}" for m in rows) + " |", "|---|" + "---|" * len(rows)]
+    for name, ms in g["ms"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{ms[m]:.0f} ms (r {ms[m] / ms[rows[0]]:.2f})" for m in rows) + " |")
     lines += ["", "## The whole target forward", "", "| kernel | step | " +
               " | ".join(f"r({k})" for k in next(iter(result["forwards"].values()))["r"]) + " | prompt read |",
               "|---|---|" + "---|" * (len(next(iter(result["forwards"].values()))["r"]) + 1)]
@@ -108,6 +149,8 @@ def main() -> int:
     print(json.dumps(result["machine"]), result["cpu_capability"], result["isa"], flush=True)
     result["products"] = products(args.rows, args.repeats)
     print(json.dumps(result["products"], indent=1), flush=True)
+    result["gguf_products"] = gguf_products(args.rows, args.repeats)
+    print(json.dumps(result["gguf_products"], indent=1), flush=True)
     result["forwards"] = forwards(args.sizes, args.repeats, not args.no_llama)
     print(json.dumps(result["forwards"], indent=1), flush=True)
     with open(args.out + ".json", "w") as f:
