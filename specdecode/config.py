@@ -117,7 +117,7 @@ class DecoderConfig:
             computed as fast as this machine allows (specdecode.tune). "bfloat16", "float32",
             "float16", "float64": torch in that dtype, nothing timed. "gguf": the target computed in
             its GGUF file's own quantization (a different model, exact with respect to itself) by
-            llama.cpp or, for Qwen2/Llama files of Q4_K/Q6_K blocks, by specdecode's
+            llama.cpp or, for Qwen2 files of Q4_K/Q6_K blocks, by specdecode's
             batch-invariant kernels (models/kquant.py), whichever the timings favour (the draft
             and γ are timed and chosen too, plain decoding where no draft model pays).
         batch_invariant: compute every token's logits with the same bits whether the target reads

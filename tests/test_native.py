@@ -287,6 +287,9 @@ def test_kquant_refuses_other_shapes_and_types_and_propagates_nan():
     weights = native.KQuantWeights([(q4, "Q4_K")], 256)
     with pytest.raises(ValueError, match="inputs"):
         native.linear_kq(bf16(1, 512), weights)
+    with pytest.raises(ValueError, match="bias"):
+        native.linear_kq(bf16(1, 256), weights, torch.zeros(3))
+    assert native.linear_kq(bf16(0, 256), weights).shape == (0, 4)  # no rows: nothing computed
     x = bf16(2, 256, seed=5)
     x[1, 7] = float("nan")
     y = native.linear_kq(x, weights, out_float32=True)

@@ -16,9 +16,10 @@ rest of the forward is the bfloat16 one of models/invariant.py (bfloat16 hidden 
 rotary tables, attention over a bfloat16 cache), the token embeddings are the file's rows
 dequantized and rounded to bfloat16, the norms and biases the file's float32 values.
 
-Coverage: the Qwen2 and Llama architectures (llama's q/k rows are stored permuted for llama.cpp's
-rotary layout and are put back in transformers' order) whose matrices are all Q4_K or Q6_K with
-inputs a multiple of 256, full attention. `unsupported(path)` says why another file is not run here.
+Coverage: the Qwen2 architecture (the zoo's files) with every matrix, the LM head included, in
+Q4_K or Q6_K blocks of inputs a multiple of 256. Llama files are not run here yet: llama.cpp's
+converter stores their q/k rows permuted and Llama 3's rotary scaling as a tensor, and neither is
+covered by a test. `unsupported(path)` says why a file is not run here.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from specdecode import native
 from specdecode.models.gguf_files import TensorTable, gguf_config
 
-ARCHITECTURES = ("qwen2", "llama")
+ARCHITECTURES = ("qwen2",)
 
 
 class _KQuant:
@@ -81,8 +82,9 @@ def unsupported(path) -> str | None:
         return f"cannot read {Path(path).name}: {err}"
     if table.architecture not in ARCHITECTURES:
         return f"architecture {table.architecture!r} (the K-quant kernels run {', '.join(ARCHITECTURES)})"
+    head = "output.weight" if "output.weight" in table.tensors else "token_embd.weight"
     for name, (_, shape, _) in table.tensors.items():
-        if len(shape) < 2 or name == "token_embd.weight":
+        if len(shape) < 2 or (name == "token_embd.weight" and head != name):
             continue  # norms and biases are read as floats; the embedding's rows are dequantized
         kind = table.type_name(name)
         if kind not in native.KQUANT_TYPES:
@@ -106,18 +108,6 @@ def _floats(table: TensorTable, name: str) -> torch.Tensor:
     return torch.from_numpy(np.asarray(table.blocks(name)).view(np.float32).reshape(-1).copy())
 
 
-def _llama_order(blocks: np.ndarray, heads: int) -> np.ndarray:
-    """A llama q or k matrix's rows back in transformers' order: llama.cpp's converter stores each
-    head's rows as interleaved pairs (row 2t + s holds transformers' row s·D/2 + t) for its rotary
-    layout; transformers' rotates halves."""
-    rows = blocks.shape[0]
-    dim = rows // heads
-    hf = np.arange(rows)
-    head, within = hf // dim, hf % dim
-    s, t = within // (dim // 2), within % (dim // 2)
-    return np.ascontiguousarray(blocks[head * dim + 2 * t + s])
-
-
 def kquant_decoder(path, config=None):
     """The InvariantDecoder of a GGUF file's target on its own K-quant blocks.
 
@@ -137,15 +127,9 @@ def kquant_decoder(path, config=None):
     config = config or gguf_config(path)
     table = TensorTable(path)
     tensors = table.tensors
-    llama = table.architecture == "llama"
-    hidden = config.hidden_size
 
     def blocks(name: str) -> tuple[np.ndarray, str]:
-        data = table.blocks(name)
-        if llama and name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = config.num_attention_heads if "attn_q" in name else config.num_key_value_heads
-            data = _llama_order(data, heads)
-        return data, table.type_name(name)
+        return table.blocks(name), table.type_name(name)
 
     def outputs(name: str) -> int:
         return tensors[f"{name}.weight"][1][1]
@@ -156,24 +140,20 @@ def kquant_decoder(path, config=None):
         return torch.cat([_floats(table, f"{name}.bias") if f"{name}.bias" in tensors else torch.zeros(outputs(name))
                           for name in names]).contiguous()
 
-    def product(names: list[str], inputs: int) -> _KQuant:
-        return _KQuant([blocks(f"{name}.weight") for name in names], inputs, bias(names))
+    def product(names: list[str]) -> _KQuant:  # inputs: the matrices' own width
+        return _KQuant([blocks(f"{name}.weight") for name in names], tensors[f"{names[0]}.weight"][1][0], bias(names))
 
     eps = config.rms_norm_eps
     layers = []
     for i in range(config.num_hidden_layers):
         block = f"blk.{i}"
         qkv = [f"{block}.attn_q", f"{block}.attn_k", f"{block}.attn_v"]
-        layers.append(_Layer(product(qkv, hidden), product([f"{block}.attn_output"], hidden),
-                             product([f"{block}.ffn_gate", f"{block}.ffn_up"], hidden),
-                             product([f"{block}.ffn_down"], config.intermediate_size),
+        layers.append(_Layer(product(qkv), product([f"{block}.attn_output"]),
+                             product([f"{block}.ffn_gate", f"{block}.ffn_up"]), product([f"{block}.ffn_down"]),
                              _floats(table, f"{block}.attn_norm.weight").bfloat16(),
                              _floats(table, f"{block}.ffn_norm.weight").bfloat16(), eps, eps))
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    if table.type_name(head_name) not in native.KQUANT_TYPES:
-        raise ValueError(f"the K-quant kernels cannot run {Path(path).name}: its LM head is "
-                         f"{table.type_name(head_name)}")
-    head = _KQuant([blocks(head_name)], hidden, None)
+    head = _KQuant([blocks(head_name)], config.hidden_size, None)
     norm = _floats(table, "output_norm.weight").bfloat16()
     return InvariantDecoder.of_parts(config, _Embedding(table, "token_embd.weight"), layers, norm, eps, head), config
 

@@ -110,6 +110,9 @@ def linear_kq(x: torch.Tensor, weights: KQuantWeights, bias: torch.Tensor | None
     (float32 where out_float32), N = weights.outputs."""
     if x.shape[-1] != weights.inputs:
         raise ValueError(f"x has {x.shape[-1]} inputs; the weights take {weights.inputs}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (weights.outputs,)
+                             or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous float32 tensor [{weights.outputs}]")
     rows, out = _rows_and_output(x, weights.outputs, out_float32)
     m, k = rows.shape
     load().sd_linear_kq(rows.data_ptr(), m, k, rows.stride(0), weights.parts, weights._pointers, weights._types,
@@ -147,6 +150,8 @@ def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
     position's) → q [B, T, heads, dim], k and v [B, kv_heads, T, dim] (the cache's layout).
     """
     batch, width = qkv.shape[:2]
+    if cos.shape != (batch, width, dim) or sin.shape != (batch, width, dim):
+        raise ValueError(f"cos and sin must be [{batch}, {width}, {dim}], got {list(cos.shape)}, {list(sin.shape)}")
     rows = qkv.reshape(batch * width, -1)
     if rows.stride(-1) != 1 or rows.stride(0) < rows.shape[1]:
         rows = rows.contiguous()

@@ -23,7 +23,7 @@
 #include <vector>
 #include <algorithm>
 #include <omp.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -458,6 +458,7 @@ int64_t sd_kq_row_bytes(int type, int64_t K) {
 void sd_linear_kq(const bf16* x, int64_t M, int64_t K, int64_t ldx, int parts, const uint8_t* const* weights,
                   const int* types, const int64_t* rows, const float* bias, void* y, int64_t ldy, int out_f32,
                   int threads) {
+    if (M <= 0) return;
     Activations a;
     a.K = K;
     a.q.resize(M * K);

@@ -60,7 +60,10 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None) -
     device = parse_device(config.device, target)
     llama = llamacpp.available()
     own_gguf = config.dtype == "gguf" and config.batch_invariant is True  # the file's blocks on our kernels only
-    if ((config.uses_llama_cpp and not own_gguf) or config.quantize_draft == "gguf") and not llama:
+    # dtype="gguf" runs without llama.cpp where specdecode's kernels cover the file
+    needs_llama = config.backend == "llama.cpp" or (config.dtype == "gguf" and not own_gguf
+                                                    and not (has_gguf(target) and _kquant_candidate(config)))
+    if (needs_llama or config.quantize_draft == "gguf") and not llama:
         llamacpp.library()  # raises the ImportError that says what to install
     for spec, needed in ((target, config.uses_llama_cpp), (draft, config.quantize_draft == "gguf")):
         if needed and not has_gguf(spec):
@@ -134,10 +137,11 @@ def _invariant_candidate(config: DecoderConfig, device) -> bool:
 
 def _kquant_candidate(config: DecoderConfig) -> bool:
     """Whether dtype="gguf" may run the file's own blocks on specdecode's kernels: batch_invariant
-    not False, vector kernels here, and a file models.kquant covers (Qwen2/Llama, Q4_K/Q6_K)."""
+    not False, kernels here (vector ones unless batch_invariant=True asks for them whatever their
+    speed), and a file models.kquant covers (Qwen2, Q4_K/Q6_K)."""
     target, _ = model_names(config)
     if config.batch_invariant is False or not has_gguf(target) or not native.available() \
-            or native.isa() == "portable":
+            or (native.isa() == "portable" and config.batch_invariant is not True):
         return False
     return kquant.unsupported(gguf_source(target)) is None
 
@@ -175,7 +179,8 @@ def candidates_of(config: DecoderConfig, quantization: str) -> tuple[tuple[str, 
     llama = llamacpp.available() and (config.max_batch_size or 0) <= LLAMA_MAX_ROWS
     if config.dtype == "gguf":
         own = (TargetKernel.GGUF_INVARIANT.value,) if _kquant_candidate(config) else ()
-        targets = own if config.batch_invariant is True else (TargetKernel.LLAMA_GGUF.value,) + own
+        targets = own if config.batch_invariant is True else \
+            ((TargetKernel.LLAMA_GGUF.value,) if llama else ()) + own
     else:
         # the float32 target reads twice the bytes: where bfloat16 products are native it cannot win,
         # and timing it would hold a float32 copy (twice the memory) for nothing

@@ -153,7 +153,14 @@ def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: 
     file_kernels = [k for k in targets if k in FILE_KERNELS]
     if file_kernels:  # timed side by side: the same file's weights, computed two ways
         say(f"timing the target's GGUF file ({', '.join(file_kernels)})")
-        backends = {kernel: loaders.file_target(kernel) for kernel in file_kernels}
+        backends = {}
+        for kernel in file_kernels:
+            try:
+                backends[kernel] = loaders.file_target(kernel)
+            except (ValueError, RuntimeError) as err:  # a file or build this kernel cannot run: the others stay
+                if len(file_kernels) == 1:
+                    raise
+                say(f"{kernel} not timed: {err}")
         context = context or _context(next(iter(backends.values())).num_embeddings)
         with torch.inference_mode():
             times = time_interleaved(backends, context, {kernel: SIZES for kernel in backends})
