@@ -280,3 +280,40 @@ class MislabelledProposer(DraftModelProposer):
     def propose(self, rows, ks):
         return [dataclasses.replace(draft, probs=torch.full_like(draft.probs, 1.0 / draft.probs.shape[-1]))
                 for draft in super().propose(rows, ks)]
+
+
+# --- tiny encoder-decoder models ---------------------------------------------------------------
+
+def tiny_t5(seed, layers=2, d_model=32, vocab=48, init=5.0, head_scale=1.0):
+    """A random T5 (vocabulary 48 by default). At T5's default init a tiny decoder repeats its start token forever; init=5
+    gives varied greedy outputs. head_scale < 1 softens the (untied) LM head's distributions."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = T5Config(vocab_size=vocab, d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=layers,
+                      num_decoder_layers=layers, num_heads=4, decoder_start_token_id=0, pad_token_id=0,
+                      eos_token_id=1, tie_word_embeddings=False, dropout_rate=0.0,
+                      initializer_factor=init)
+    model = T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    return model
+
+
+# --- batch-invariant backends ---------------------------------------------------------------------
+
+def stepwise(backend, prompt, tokens):
+    """The logits after each of `tokens`, fed one at a time after the prompt: [len(tokens), V]."""
+    backend.reset()
+    backend.add_row(prefix_ids=prompt[:-1])
+    out = [backend.forward([[prompt[-1]]], 1)[0, 0]]
+    for token in tokens[:-1]:
+        out.append(backend.forward([[token]], 1)[0, 0])
+    return torch.stack(out)
+
+
+def at_once(backend, prompt, tokens):
+    """The same logits from one call holding the prompt's last token and all of `tokens` but the last."""
+    backend.reset()
+    backend.add_row(prefix_ids=prompt[:-1])
+    return backend.forward([[prompt[-1], *tokens[:-1]]], len(tokens))[0]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_llama
+from helpers import tiny_llama, tiny_t5
 from specdecode import native
 from specdecode.models import Backend, DecoderBackend, HFCausalLM, Seq2SeqLM, TableModel, TreeBackend, llamacpp
 
@@ -54,8 +54,6 @@ def _llama(files):
 
 
 def _seq2seq():
-    from test_seq2seq import tiny_t5
-
     return Seq2SeqLM(tiny_t5(0))
 
 

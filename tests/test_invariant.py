@@ -7,7 +7,7 @@ control (a product that rounds differently for several rows) must fail the same 
 import pytest
 import torch
 
-from helpers import tiny_llama
+from helpers import at_once, stepwise, tiny_llama
 from specdecode import native
 from specdecode.engine.driver import run
 from specdecode.engine.request import DecodeConfig
@@ -29,23 +29,6 @@ def invariant_backend(model):
     backend.use_invariant_forward()
     assert backend.batch_invariant
     return backend
-
-
-def stepwise(backend, prompt, tokens):
-    """The logits after each of `tokens`, fed one at a time after the prompt: [len(tokens), V]."""
-    backend.reset()
-    backend.add_row(prefix_ids=prompt[:-1])
-    out = [backend.forward([[prompt[-1]]], 1)[0, 0]]
-    for token in tokens[:-1]:
-        out.append(backend.forward([[token]], 1)[0, 0])
-    return torch.stack(out)
-
-
-def at_once(backend, prompt, tokens):
-    """The same logits from one call holding the prompt's last token and all of `tokens` but the last."""
-    backend.reset()
-    backend.add_row(prefix_ids=prompt[:-1])
-    return backend.forward([[prompt[-1], *tokens[:-1]]], len(tokens))[0]
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import at_once, stepwise
 from specdecode import native
 from specdecode.engine.driver import run
 from specdecode.engine.request import DecodeConfig
@@ -46,21 +47,6 @@ def kquant_backend(path):
     backend = kquant_model(path)
     assert backend.batch_invariant
     return backend
-
-
-def stepwise(backend, prompt, tokens):
-    backend.reset()
-    backend.add_row(prefix_ids=prompt[:-1])
-    out = [backend.forward([[prompt[-1]]], 1)[0, 0]]
-    for token in tokens[:-1]:
-        out.append(backend.forward([[token]], 1)[0, 0])
-    return torch.stack(out)
-
-
-def at_once(backend, prompt, tokens):
-    backend.reset()
-    backend.add_row(prefix_ids=prompt[:-1])
-    return backend.forward([[prompt[-1], *tokens[:-1]]], len(tokens))[0]
 
 
 def test_the_file_holds_both_block_types_and_the_f32_file_is_refused_with_the_reason(files):

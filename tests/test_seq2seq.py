@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
+from transformers import BartConfig, BartForConditionalGeneration
 
 from specdecode import SamplingParams, SpeculativeDecoder
 from specdecode.engine.driver import run_all
@@ -16,7 +16,7 @@ from specdecode.models import Seq2SeqLM
 from specdecode.proposers import DraftModelProposer, FallbackProposer, PromptLookupProposer
 from specdecode.sampling import adjust
 
-from helpers import MislabelledProposer, chi2_pvalue, decode, tiny_llama
+from helpers import MislabelledProposer, chi2_pvalue, decode, tiny_llama, tiny_t5
 
 VOCAB = 48
 
@@ -32,20 +32,6 @@ def one_thread():
 
 
 SOURCE = [5, 17, 33, 2, 41, 8, 1]  # encoder input, ending in T5's </s> (id 1)
-
-
-def tiny_t5(seed, layers=2, d_model=32, vocab=VOCAB, init=5.0, head_scale=1.0):
-    """A random T5. At T5's default init a tiny decoder repeats its start token forever; init=5
-    gives varied greedy outputs. head_scale < 1 softens the (untied) LM head's distributions."""
-    torch.manual_seed(seed)
-    config = T5Config(vocab_size=vocab, d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=layers,
-                      num_decoder_layers=layers, num_heads=4, decoder_start_token_id=0, pad_token_id=0,
-                      eos_token_id=1, tie_word_embeddings=False, dropout_rate=0.0,
-                      initializer_factor=init)
-    model = T5ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(head_scale)
-    return model
 
 
 def noisy_copy(model, scale, seed):

@@ -158,6 +158,18 @@ alignas(64) const int16_t kQ4Pick[32] = {0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 
 alignas(64) const int16_t kQ6Pick[32] = {0, 0, 0, 0, 4, 4, 4, 4, 1, 1, 1, 1, 5, 5, 5, 5,
                                          2, 2, 2, 2, 6, 6, 6, 6, 3, 3, 3, 3, 7, 7, 7, 7};
 
+// One row's integer dot with a decoded super-block: codes [4 × 64] u8 against x̂ [256] s8. vpdpbusd
+// sums 4 products per int32 lane (small enough for int16: see the callers), two chunks are packed
+// into one vector of int16 (kQ4Pick/kQ6Pick order), scaled per sub-block and summed in pairs; the
+// two halves are independent (short dependency chains).
+inline __m512i block_dot(const __m512i* codes, const int8_t* xq, __m512i scales01, __m512i scales23) {
+    __m512i part[4];
+    for (int c = 0; c < 4; ++c)
+        part[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[c], _mm512_loadu_si512(xq + 64 * c));
+    return _mm512_add_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(part[0], part[1]), scales01),
+                            _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(part[2], part[3]), scales23));
+}
+
 inline float hsum(__m512 v) {  // fixed order: halves, then quarters, …
     __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
     __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -211,16 +223,8 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
         for (int i = 0; i < MG; ++i) {
             const int64_t row = m0 + i;
             const int8_t* xq = a.q.data() + row * a.K + b * QK;
-            // Σ of 4 products per int32 lane (|·| ≤ 4·15·127, exact in int16), two chunks packed
-            // into one vector of int16, then scaled per sub-block and summed in pairs
-            __m512i part[4];
-            for (int c = 0; c < 4; ++c)
-                part[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[c], _mm512_loadu_si512(xq + 64 * c));
-            // two independent halves, and d·dx as one scalar: short dependency chains, so that
-            // the rows' work overlaps
-            const __m512i dot = _mm512_add_epi32(
-                _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(part[0], part[1]), scales01),
-                _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(part[2], part[3]), scales23));
+            const __m512i dot = block_dot(codes, xq, scales01, scales23);  // |lane sums| ≤ 4·15·127
+            // d·dx as one scalar: a short dependency chain, so that the rows' work overlaps
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d * a.d[row * (a.K / QK) + b]), acc[i]);
             low[i] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(0x00ff, a.low.data() + row * (a.K / 32) + 8 * b), low[i]);
         }
@@ -332,13 +336,7 @@ void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
         for (int i = 0; i < MG; ++i) {
             const int64_t row = m0 + i;
             const int8_t* xq = a.q.data() + row * a.K + b * QK;
-            // as in q4k_rows (|·| ≤ 4·63·127 < 2^15: exact in int16)
-            __m512i part[4];
-            for (int z = 0; z < 4; ++z)
-                part[z] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[z], _mm512_loadu_si512(xq + 64 * z));
-            __m512i dot = _mm512_add_epi32(
-                _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(part[0], part[1]), scales01),
-                _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(part[2], part[3]), scales23));
+            __m512i dot = block_dot(codes, xq, scales01, scales23);  // |lane sums| ≤ 4·63·127 < 2^15
             // the −32 offset: 32·Σ_j sc_j·Σ x̂ over sub-block j (16 pairs of int16 → 8 int32)
             const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum16.data() + row * (a.K / 16) + 16 * b));
             const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5);
