@@ -178,6 +178,17 @@ inline float hsum(__m512 v) {  // fixed order: halves, then quarters, …
     return _mm_cvtss_f32(b);
 }
 #elif KQ_ISA == 1
+// One row's integer dot with a decoded super-block: codes [8 × 32] u8 against x̂ [256] s8, each
+// 32 inputs' pairs scaled by their sub-block's scales[j] (int16 lanes) and summed into int32.
+inline __m256i block_dot(const __m256i* codes, const int8_t* xq, const __m256i* scales) {
+    __m256i dot = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(codes[j], xv), scales[j]));
+    }
+    return dot;
+}
+
 inline float hsum(__m256 v) {
     __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     b = _mm_add_ps(b, _mm_movehl_ps(b, b));
@@ -257,11 +268,7 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
         for (int i = 0; i < MG; ++i) {
             const int64_t row = m0 + i;
             const int8_t* xq = a.q.data() + row * a.K + b * QK;
-            __m256i dot = _mm256_setzero_si256();
-            for (int j = 0; j < 8; ++j) {
-                const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
-                dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(codes[j], xv), scales[j]));
-            }
+            __m256i dot = block_dot(codes, xq, scales);
             const float dx = a.d[row * (a.K / QK) + b];
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * dx), acc[i]);
             const __m128i sums = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.sum32.data() + row * (a.K / 32) + 8 * b));
@@ -377,11 +384,7 @@ void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
         for (int i = 0; i < MG; ++i) {
             const int64_t row = m0 + i;
             const int8_t* xq = a.q.data() + row * a.K + b * QK;
-            __m256i dot = _mm256_setzero_si256();
-            for (int j = 0; j < 8; ++j) {
-                const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
-                dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(codes[j], xv), scales[j]));
-            }
+            __m256i dot = block_dot(codes, xq, scales);
             const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum16.data() + row * (a.K / 16) + 16 * b));
             dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a.d[row * (a.K / QK) + b]), acc[i]);
