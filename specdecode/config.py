@@ -241,7 +241,7 @@ class DecoderConfig:
             raise ValueError(f"guard_costs must be two or three finite numbers >= 0 (c, slope[, base]), "
                              f"got {self.guard_costs!r}")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
-            raise ValueError(f"max_model_len must be None or an integer >= 2, got {self.max_model_len!r}")
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.max_batch_size is not None and (not _is_int(self.max_batch_size) or self.max_batch_size < 1):
             raise ValueError(f"max_batch_size must be None or an integer >= 1, got {self.max_batch_size!r}")
         if self.batch_invariant not in (True, False, "auto") or isinstance(self.batch_invariant, int) \

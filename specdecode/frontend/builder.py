@@ -190,7 +190,8 @@ class RequestBuilder:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         limit = self.target.max_length
         if limit is not None and len(ids) > limit:
-            raise ValueError(f"prompt has {len(ids)} tokens; the target's context window is {limit}")
+            raise ValueError(f"prompt has {len(ids)} tokens; the context window is {limit} (the target's, or "
+                             "max_model_len)")
         return ids
 
     def request(self, ids: list[int], config: DecodeConfig) -> Request:
@@ -203,7 +204,8 @@ class RequestBuilder:
         """
         limit = self.target.max_length
         if not self.is_encoder_decoder and limit is not None and len(ids) >= limit and config.max_new_tokens > 0:
-            raise ValueError(f"prompt has {len(ids)} tokens; the target's context window is {limit}: no room for "
+            raise ValueError(f"prompt has {len(ids)} tokens; the context window is {limit} (the target's, or "
+                             f"max_model_len): no room for "
                              "a new token (max_new_tokens=0 with prompt_logprobs scores it)")
         if self.is_encoder_decoder:
             return Request([self.target.decoder_start_token_id], config, encoder_input_ids=ids)
