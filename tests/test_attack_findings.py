@@ -42,7 +42,7 @@ def test_cli_refuses_a_corrupt_gguf_with_one_line_and_exit_2(corrupt, capsys):
     code = main(["generate", "hi", "--quiet", "--target", corrupt, "--draft", "none", "--dtype", "gguf"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert [line for line in err.splitlines() if line.startswith("specdecode: error:")]
+    assert [line for line in err.splitlines() if line.startswith("specdecode generate: error:")]
 
 
 def test_cli_refuses_a_corrupt_gguf_draft_with_exit_2(gguf, corrupt, capsys):

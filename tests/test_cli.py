@@ -150,13 +150,13 @@ def test_bad_flags_exit_2_with_one_error_line(args, message, capsys):
 def test_an_unknown_model_exits_2_with_one_line(capsys):
     assert main(["generate", "hi", "--target", "./no/such/dir", "--draft", "none"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("specdecode: error: ") and "./no/such/dir" in err[0]
+    assert len(err) == 1 and err[0].startswith("specdecode generate: error: ") and "./no/such/dir" in err[0]
 
 
 def test_a_missing_draft_tokenizer_exits_2_with_one_line(capsys):
     assert main(["generate", "hi", "--draft-tokenizer", "./no/such/tok", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err == ["specdecode: error: tokenizer path './no/such/tok' is not a directory"]
+    assert err == ["specdecode generate: error: tokenizer path './no/such/tok' is not a directory"]
 
 
 def test_the_default_out_is_a_new_dated_folder_of_its_own():
@@ -316,9 +316,9 @@ def test_an_invalid_schema_or_grammar_exits_2_with_the_engines_message(model_dir
     grammar.write_text("root ::= (")
     base = ["generate", "abc", "--target", model_dirs["target"], "--draft", "none", "--dtype", "float32", "--quiet"]
     assert main(base + ["--json-schema", str(schema)]) == 2
-    assert capsys.readouterr().err.strip() == 'specdecode: error: invalid JSON schema: Unsupported type "nope"'
+    assert capsys.readouterr().err.strip() == 'specdecode generate: error: invalid JSON schema: Unsupported type "nope"'
     assert main(base + ["--grammar", str(grammar)]) == 2
-    assert capsys.readouterr().err.strip().startswith("specdecode: error: invalid grammar: EBNF parser error")
+    assert capsys.readouterr().err.strip().startswith("specdecode generate: error: invalid grammar: EBNF parser error")
     schema.write_text("{not json")
     with pytest.raises(SystemExit, match="^2$"):
         main(base + ["--json-schema", str(schema)])

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from specdecode.cli import alpha, batch, bench, chat, generate, serve, tune
+from specdecode.cli import alpha, batch, bench, chat, common, generate, serve, tune
 
 COMMANDS = {"generate": generate, "chat": chat, "alpha": alpha, "bench": bench, "serve": serve, "batch": batch, "tune": tune}
 
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         # the command's own parser, so that its range errors name the command
         command_parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)) \
             .choices[args.command]
+        common.COMMAND["name"] = args.command
         return COMMANDS[args.command].run(args, command_parser)
     except KeyboardInterrupt:  # Ctrl-C: whatever was printed stays, no traceback
         print("specdecode: interrupted", file=sys.stderr)

@@ -278,7 +278,12 @@ def served_name(args) -> str:
     return os.path.basename(target.rstrip("/")) if os.path.exists(target) else target
 
 
+COMMAND = {"name": None}  # the running command (set by specdecode.cli.main), named in error lines
+
+
 def error(err: Exception) -> int:
-    """A library error after parsing (a bad model, an unreadable path): one line, exit status 2."""
-    print(f"specdecode: error: {err}", file=sys.stderr)
+    """A library error after parsing (a bad model, an unreadable path): one line naming the command,
+    as usage errors do, and exit status 2."""
+    name = f"specdecode {COMMAND['name']}" if COMMAND["name"] else "specdecode"
+    print(f"{name}: error: {err}", file=sys.stderr)
     return 2
