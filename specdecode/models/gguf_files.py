@@ -4,6 +4,7 @@ the file's path, size and modification time."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -151,9 +152,15 @@ class TensorTable:
         self.architecture = meta.get("general.architecture") or "?"
         self.tensors = {name: (kind, shape, start + offset) for name, kind, shape, offset in infos}
 
-    def blocks(self, name: str):
-        """A tensor's bytes as a read-only memory map [outputs, bytes per row] (uint8)."""
+    @functools.cached_property
+    def _map(self):
+        """The whole file, memory-mapped once (read-only); tensors are views of it."""
         import numpy as np
+
+        return np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    def blocks(self, name: str):
+        """A tensor's bytes as a read-only view of the file's memory map [outputs, bytes per row] (uint8)."""
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         kind, shape, offset = self.tensors[name]
@@ -161,12 +168,29 @@ class TensorTable:
         rows = 1
         for dim in shape[1:]:
             rows *= dim
-        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=offset, shape=(rows, shape[0] // block * size))
+        row_bytes = shape[0] // block * size
+        return self._map[offset:offset + rows * row_bytes].reshape(rows, row_bytes)
 
     def type_name(self, name: str) -> str:
         from gguf import GGMLQuantizationType
 
         return GGMLQuantizationType(self.tensors[name][0]).name
+
+
+def tensor_table(path) -> TensorTable:
+    """The TensorTable of a GGUF file, read once per file version (start-up asks several times:
+    the plan's candidates, the loader, the report).
+
+    Raises:
+        as TensorTable; OSError: no such file.
+    """
+    path = Path(path)
+    return _tensor_table(str(path.resolve()), file_key(path))
+
+
+@functools.lru_cache(maxsize=8)
+def _tensor_table(path: str, key: str) -> TensorTable:
+    return TensorTable(path)
 
 
 def _head(path: Path) -> bytes:

@@ -171,7 +171,8 @@ class InvariantDecoder:
                  vocab_limit: int | None = None) -> "InvariantDecoder":
         """A decoder from its parts (models.kquant builds one from a GGUF file's own blocks): embed
         maps ids [B, T] long to bfloat16 [B, T, hidden]; layers and head hold products (_Bfloat16,
-        _Int4 or a kquant product: called as product(x, out_float32), first_rows(n))."""
+        _Int4 or a kquant product: called as product(x, out_float32); the head's first_rows(n) where
+        vocab_limit is given)."""
         decoder = cls.__new__(cls)
         decoder._setup(config, embed, layers, norm, eps, head, vocab_limit)
         return decoder

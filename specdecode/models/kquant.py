@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from specdecode import native
-from specdecode.models.gguf_files import TensorTable, gguf_config
+from specdecode.models.gguf_files import TensorTable, gguf_config, tensor_table
 
 ARCHITECTURES = ("qwen2",)
 
@@ -39,20 +39,11 @@ class _KQuant:
     """A product on one or more K-quant tensors side by side (native.linear_kq), with a float32 bias."""
 
     def __init__(self, parts: list, inputs: int, bias: torch.Tensor | None):
-        self.parts, self.inputs, self.bias = parts, inputs, bias
+        self.bias = bias
         self.weights = native.KQuantWeights(parts, inputs)
 
     def __call__(self, x: torch.Tensor, out_float32: bool = False) -> torch.Tensor:
         return native.linear_kq(x, self.weights, self.bias, out_float32)
-
-    def first_rows(self, n: int) -> "_KQuant":
-        """The product's first n outputs (an LM head limited to the first n ids)."""
-        kept, left = [], n
-        for blocks, kind in self.parts:
-            if left > 0:
-                kept.append((blocks[:left], kind))
-                left -= blocks.shape[0]
-        return _KQuant(kept, self.inputs, None if self.bias is None else self.bias[:n].contiguous())
 
 
 class _Embedding:
@@ -77,7 +68,7 @@ def unsupported(path) -> str | None:
     """Why this GGUF file's target cannot run on the K-quant kernels, or None where it can
     (reads only the file's header)."""
     try:
-        table = TensorTable(path)
+        table = tensor_table(path)
     except (OSError, ValueError) as err:
         return f"cannot read {Path(path).name}: {err}"
     if table.architecture not in ARCHITECTURES:
@@ -97,7 +88,7 @@ def unsupported(path) -> str | None:
 def describe(path) -> str:
     """What the file's numbers are, for reports: its architecture and its matrices' block types
     (e.g. "qwen2 Q4_K+Q6_K")."""
-    table = TensorTable(path)
+    table = tensor_table(path)
     kinds = sorted({table.type_name(name) for name, (_, shape, _) in table.tensors.items() if len(shape) > 1})
     return f"{table.architecture} {'+'.join(kinds)}"
 
@@ -125,7 +116,7 @@ def kquant_decoder(path, config=None):
     if reason is not None:
         raise ValueError(f"the K-quant kernels cannot run {Path(path).name}: {reason}")
     config = config or gguf_config(path)
-    table = TensorTable(path)
+    table = tensor_table(path)
     tensors = table.tensors
 
     def blocks(name: str) -> tuple[np.ndarray, str]:
