@@ -15,8 +15,8 @@
 // accumulation order on K alone (never on M, the other rows or the thread count: threads split
 // the output columns), so a k-token verify gives each row the bits a one-token step gives it.
 //
-// Memory: each weight row's blocks are decoded once per call and multiplied into up to 8 rows
-// while in registers; further rows (a 9-token verify) re-read the same weight row from cache.
+// Memory: each weight row's blocks are decoded once per call and multiplied into up to 12 rows
+// while in registers (a 9-token verify in one pass); further rows re-read the weight row from cache.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -43,7 +43,7 @@ const int QK = 256;               // inputs per super-block
 const int Q4K_BYTES = 144;        // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
 const int Q6K_BYTES = 210;        // 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, fp16 d
 const int TYPE_Q4_K = 12, TYPE_Q6_K = 14;  // GGML type ids
-const int ROWS = 8;               // activation rows per pass over a weight row
+const int ROWS = 12;              // activation rows per pass over a weight row
 // How far ahead the weight stream is requested into the outer caches, as rows.cpp does (32 KiB):
 // on an AMX Xeon (2 cores, oneDNN capped) a one-row pass over the Q4_K_M file took 52-54 ms with
 // it against 57-61 ms with 2 KiB ahead into L1.
@@ -94,6 +94,7 @@ bf16 float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
 struct Activations {
     int64_t K = 0;
     std::vector<int8_t> q;       // [M, K]
+    std::vector<int8_t> q4;      // [M, K] q in Q4_K's nibble order (AVX-512): per 128 inputs, 0-31, 64-95, 32-63, 96-127
     std::vector<float> d;        // [M, K/256]
     std::vector<int16_t> sum16;  // [M, K/16]
     std::vector<int16_t> sum32;  // [M, K/32]
@@ -150,24 +151,27 @@ inline void q4k_scales(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
 #if KQ_ISA == 2
 // _mm512_packs_epi32(p, q) puts, in each 128-bit lane L, p's int32 lanes 4L..4L+3 then q's as
 // int16. For the chunks of 64 inputs c and c+1 (vpdpbusd: int32 lane l holds inputs 4l..4l+3):
-//   Q4_K: p's lanes 4L.. are in sub-block 2c + L/2 (32 inputs each), q's in 2c + 2 + L/2;
+//   Q4_K (chunks as stored: 64 bytes of nibbles, low then high, so chunk 2h holds sub-blocks 4h and
+//   4h + 2, chunk 2h + 1 sub-blocks 4h + 1 and 4h + 3; Activations::q4 is in that order): p's lanes
+//   4L.. are in sub-block 2·(L/2), q's in 2·(L/2) + 1;
 //   Q6_K: p's are in sub-block 4c + L (16 inputs each), q's in 4c + 4 + L.
 // These tables give, per int16 lane, the index of its scale (for chunks 0 and 1; + 4 or + 8 after).
-alignas(64) const int16_t kQ4Pick[32] = {0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2,
-                                         1, 1, 1, 1, 3, 3, 3, 3, 1, 1, 1, 1, 3, 3, 3, 3};
+alignas(64) const int16_t kQ4Pick[32] = {0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1,
+                                         2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3};
 alignas(64) const int16_t kQ6Pick[32] = {0, 0, 0, 0, 4, 4, 4, 4, 1, 1, 1, 1, 5, 5, 5, 5,
                                          2, 2, 2, 2, 6, 6, 6, 6, 3, 3, 3, 3, 7, 7, 7, 7};
 
 // One row's integer dot with a decoded super-block: codes [4 × 64] u8 against x̂ [256] s8. vpdpbusd
 // sums 4 products per int32 lane (small enough for int16: see the callers), two chunks are packed
-// into one vector of int16 (kQ4Pick/kQ6Pick order), scaled per sub-block and summed in pairs; the
-// two halves are independent (short dependency chains).
+// into one vector of int16 (kQ4Pick/kQ6Pick order), scaled per sub-block and summed in pairs (the
+// second half accumulated onto the first: one instruction fewer than adding them, and the rows'
+// interleaved chains hide the latency).
 inline __m512i block_dot(const __m512i* codes, const int8_t* xq, __m512i scales01, __m512i scales23) {
     __m512i part[4];
     for (int c = 0; c < 4; ++c)
         part[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[c], _mm512_loadu_si512(xq + 64 * c));
-    return _mm512_add_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(part[0], part[1]), scales01),
-                            _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(part[2], part[3]), scales23));
+    const __m512i half = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(part[0], part[1]), scales01);
+    return _mm512_dpwssd_epi32(half, _mm512_packs_epi32(part[2], part[3]), scales23);
 }
 
 inline float hsum(__m512 v) {  // fixed order: halves, then quarters, …
@@ -199,12 +203,12 @@ inline float hsum(__m256 v) {
 
 // sums[i] = Σ_k x[m0 + i, k]·W[k] for one Q4_K weight row
 template <int MG>
-void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
+void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, float* mins_row) {
     const int64_t blocks = a.K / QK;
 #if KQ_ISA == 2
-    __m512 acc[MG], low[MG];
-    for (int i = 0; i < MG; ++i) acc[i] = low[i] = _mm512_setzero_ps();
-    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    __m512 acc[MG];
+    for (int i = 0; i < MG; ++i) acc[i] = _mm512_setzero_ps();
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
     const __m512i pick01 = _mm512_load_si512(kQ4Pick), pick23 = _mm512_add_epi16(pick01, _mm512_set1_epi16(4));
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* block = w + b * Q4K_BYTES;
@@ -216,31 +220,41 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
         uint64_t sc, mn;
         q4k_scales(block + 4, sc, mn);
         const __m512i sc_all = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc))));
-        // dmin·mn[j] in lanes 0-7, zeros above: the minimums' term of a row is one product with its
-        // dx·Σx̂ per sub-block (8 floats)
-        const __m512 mins = _mm512_maskz_mul_ps(0x00ff, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-            _mm_cvtsi64_si128(static_cast<long long>(mn)))), _mm512_set1_ps(half_to_float(dminh)));
+        // dmin·mn[j] per sub-block, kept for the whole weight row: the minimums' term is one dot
+        // product per row after the blocks (below), not a product per row and block
+        _mm256_storeu_ps(mins_row + 8 * b, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+            _mm_cvtsi64_si128(static_cast<long long>(mn)))), _mm256_set1_ps(half_to_float(dminh))));
         const float d = half_to_float(dh);
+        // 64 bytes of nibbles at a time, as stored: the activations are in this order (Activations::q4)
         __m512i codes[4];
-        for (int c = 0; c < 4; ++c) {
-            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c));
-            codes[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, nibble)),
-                                          _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble), 1);
+        for (int h = 0; h < 2; ++h) {
+            const __m512i packed = _mm512_loadu_si512(block + 16 + 64 * h);
+            codes[2 * h] = _mm512_and_si512(packed, nibble);
+            codes[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
         }
         const __m512i scales01 = _mm512_permutexvar_epi16(pick01, sc_all);
         const __m512i scales23 = _mm512_permutexvar_epi16(pick23, sc_all);
         // unrolled: the rows' accumulators stay in registers
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int i = 0; i < MG; ++i) {
             const int64_t row = m0 + i;
-            const int8_t* xq = a.q.data() + row * a.K + b * QK;
+            const int8_t* xq = a.q4.data() + row * a.K + b * QK;
             const __m512i dot = block_dot(codes, xq, scales01, scales23);  // |lane sums| ≤ 4·15·127
             // d·dx as one scalar: a short dependency chain, so that the rows' work overlaps
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d * a.d[row * (a.K / QK) + b]), acc[i]);
-            low[i] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(0x00ff, a.low.data() + row * (a.K / 32) + 8 * b), low[i]);
         }
     }
-    for (int i = 0; i < MG; ++i) sums[i] = hsum(acc[i]) - hsum(low[i]);
+    // Σ_j dmin·mn[j]·dx·Σx̂ over the row's sub-blocks, 16 at a time in a fixed order (K's alone)
+    const int64_t subs = a.K / 32;
+    for (int i = 0; i < MG; ++i) {
+        const float* low = a.low.data() + (m0 + i) * subs;
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t j = 0; j < subs; j += 16) {
+            const __mmask16 mask = subs - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (subs - j)) - 1);
+            total = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, mins_row + j), _mm512_maskz_loadu_ps(mask, low + j), total);
+        }
+        sums[i] = hsum(acc[i]) - hsum(total);
+    }
 #elif KQ_ISA == 1
     __m256 acc[MG];
     __m128 low[MG];
@@ -310,7 +324,7 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
 
 // sums[i] = Σ_k x[m0 + i, k]·W[k] for one Q6_K weight row
 template <int MG>
-void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
+void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, float*) {
     const int64_t blocks = a.K / QK;
 #if KQ_ISA == 2
     __m512 acc[MG];
@@ -417,23 +431,23 @@ void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
 }
 
 template <int MG>
-void rows_kq(int type, const Activations& a, int64_t m0, const uint8_t* w, float* sums) {
+void rows_kq(int type, const Activations& a, int64_t m0, const uint8_t* w, float* sums, float* scratch) {
     if (type == TYPE_Q4_K)
-        q4k_rows<MG>(a, m0, w, sums);
+        q4k_rows<MG>(a, m0, w, sums, scratch);
     else
-        q6k_rows<MG>(a, m0, w, sums);
+        q6k_rows<MG>(a, m0, w, sums, scratch);
 }
 
-#define KQ_CASE(G) case G: rows_kq<G>(type, a, m, w, sums + m); break;
+#define KQ_CASE(G) case G: rows_kq<G>(type, a, m, w, sums + m, scratch); break;
 
-void weight_row(int type, const Activations& a, int64_t M, const uint8_t* w, float* sums) {
-    // rows in equal groups of at most ROWS (9 rows: 5 + 4, not 8 + 1): each group decodes the
+void weight_row(int type, const Activations& a, int64_t M, const uint8_t* w, float* sums, float* scratch) {
+    // rows in equal groups of at most ROWS (16 rows: 8 + 8, not 12 + 4): each group decodes the
     // weight row again, and a group's cost is mostly per row
     const int64_t groups = (M + ROWS - 1) / ROWS, size = (M + groups - 1) / groups;
     for (int64_t m = 0; m < M;) {
         const int g = static_cast<int>(std::min<int64_t>(M - m, size));
         switch (g) {
-            KQ_CASE(1) KQ_CASE(2) KQ_CASE(3) KQ_CASE(4) KQ_CASE(5) KQ_CASE(6) KQ_CASE(7) KQ_CASE(8)
+            KQ_CASE(1) KQ_CASE(2) KQ_CASE(3) KQ_CASE(4) KQ_CASE(5) KQ_CASE(6) KQ_CASE(7) KQ_CASE(8) KQ_CASE(9) KQ_CASE(10) KQ_CASE(11) KQ_CASE(12)
             default: break;
         }
         m += g;
@@ -467,11 +481,20 @@ void sd_linear_kq(const bf16* x, int64_t M, int64_t K, int64_t ldx, int parts, c
     a.sum16.resize(M * (K / 16));
     a.sum32.resize(M * (K / 32));
     a.low.resize(M * (K / 32));
+#if KQ_ISA == 2
+    a.q4.resize(M * K);
+#endif
     for (int64_t m = 0; m < M; ++m) {
         quantize_row(x + m * ldx, K, a.q.data() + m * K, a.d.data() + m * (K / QK), a.sum16.data() + m * (K / 16),
                      a.sum32.data() + m * (K / 32));
         for (int64_t j = 0; j < K / 32; ++j)
             a.low[m * (K / 32) + j] = a.d[m * (K / QK) + j / 8] * static_cast<float>(a.sum32[m * (K / 32) + j]);
+#if KQ_ISA == 2
+        for (int64_t k = 0; k < K; k += 32) {  // 32 inputs at a time: the quarters 1 and 2 of each 128 swap
+            const int64_t quarter = (k / 32) % 4, from = quarter == 1 ? k + 32 : quarter == 2 ? k - 32 : k;
+            std::memcpy(a.q4.data() + m * K + k, a.q.data() + m * K + from, 32);
+        }
+#endif
     }
     int64_t total = 0;
     std::vector<int64_t> first(parts + 1, 0);
@@ -479,12 +502,12 @@ void sd_linear_kq(const bf16* x, int64_t M, int64_t K, int64_t ldx, int parts, c
     total = first[parts];
 #pragma omp parallel num_threads(threads)
     {
-        std::vector<float> sums(M);
+        std::vector<float> sums(M), scratch(K / 32);
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < total; ++n) {
             const int p = static_cast<int>(std::upper_bound(first.begin(), first.end(), n) - first.begin()) - 1;
             const uint8_t* w = weights[p] + (n - first[p]) * sd_kq_row_bytes(types[p], K);
-            weight_row(types[p], a, M, w, sums.data());
+            weight_row(types[p], a, M, w, sums.data(), scratch.data());
             const float add = bias ? bias[n] : 0.0f;
             for (int64_t m = 0; m < M; ++m) {
                 const float v = sums[m] + add;
