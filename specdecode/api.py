@@ -153,7 +153,7 @@ class SpeculativeDecoder:
         if config.guard and (self.draft is not None or self.free_drafts):
             # given, else from the choice's own timings, else timed now (a few forwards)
             self.guard_costs = tuple(config.guard_costs) if config.guard_costs is not None else \
-                self.choice.guard_costs() if self.choice is not None and self.draft is not None else None
+                self.choice.guard_costs(self.num_speculative_tokens) if self.choice is not None else None
             if self.guard_costs is None:
                 if progress:
                     progress("measuring c (draft step / target step) and the verify costs r(2), r(γ+1) for the "

@@ -167,6 +167,19 @@ def test_no_draft_costs_means_plain_decoding_with_the_fastest_kernel():
     assert "no draft model pays" in choose(AVX2, {("none", "bfloat16"): DraftCost(0.29, 0.03)}).describe()
 
 
+def test_plain_decoding_keeps_its_kernels_verify_costs_for_the_guard_of_free_drafts():
+    """A plain choice still prices free drafts' verifies from its own timings (no second
+    measurement at load): c = 0, the line through the chosen kernel's r(2) and r(γ_max + 1)."""
+    from specdecode.tune.timing import verify_line
+
+    choice = choose(AVX2, {}, max_gamma=4)
+    cost = AVX2[choice.target_kernel]
+    assert choice.r2 == cost.ratio(2) and choice.r == cost.ratio(5)
+    assert choice.guard_costs(4) == (0.0, *verify_line(cost.ratio(2), cost.ratio(5), 4))
+    # a choice cached before r(2) was kept says nothing: the facade times the guard's costs
+    assert Choice("bfloat16", None, None, 0, 1.0, 1.0).guard_costs(4) is None
+
+
 def test_ratio_interpolates_and_extrapolates():
     cost = TargetCost(1.0, {3: 2.0, 5: 4.0}, 0.0)
     assert cost.ratio(1) == 1.0 and cost.ratio(2) == 1.5 and cost.ratio(4) == 3.0 and cost.ratio(7) == 6.0

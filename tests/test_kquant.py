@@ -163,3 +163,22 @@ def test_auto_times_the_files_blocks_beside_llama_cpp(files):
     assert candidates_of(off, "none")[0] == ("llama.cpp-gguf",)
     f32 = DecoderConfig(target=str(files["f32"]), draft=None, dtype="gguf").validate()
     assert candidates_of(f32, "none")[0] == ("llama.cpp-gguf",)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantizing_one_tensor_at_a_time_gives_transformers_weights_bit_for_bit(files, dtype):
+    """The first run's GGUF → bfloat16 cache (gguf_files.dequantized_model) against transformers'
+    own GGUF loader, every parameter and buffer; a file of another architecture is left to it."""
+    from transformers import AutoModelForCausalLM
+
+    from specdecode.models.gguf_files import dequantized_model
+
+    path = files["q4_k_m"]
+    ours = dequantized_model(path, dtype)
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    mine, reference = ours.state_dict(), theirs.state_dict()
+    assert mine.keys() == reference.keys()
+    for name, value in reference.items():
+        assert mine[name].dtype == value.dtype and torch.equal(mine[name], value), name
+    with torch.inference_mode():
+        assert torch.equal(ours(torch.tensor([PROMPT])).logits, theirs(torch.tensor([PROMPT])).logits)

@@ -198,3 +198,64 @@ def _head(path: Path) -> bytes:
     with open(path, "rb") as f:
         head = f.read(64 << 20)
     return head
+
+
+# A Qwen2 file's tensor names → transformers' (per layer: blk.{i}.NAME → model.layers.{i}.NAME)
+_QWEN2_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_QWEN2_LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                      "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                      "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                      "ffn_down": "mlp.down_proj"}
+
+
+def _qwen2_name(name: str) -> str | None:
+    stem, _, kind = name.rpartition(".")
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        return f"model.layers.{layer}.{_QWEN2_LAYER_NAMES[part]}.{kind}" if part in _QWEN2_LAYER_NAMES else None
+    return f"{_QWEN2_NAMES[stem]}.{kind}" if stem in _QWEN2_NAMES else None
+
+
+def dequantized_model(path, dtype):
+    """A Qwen2 GGUF file's transformers model with its weights dequantized straight to `dtype`,
+    one tensor at a time (the gguf package's reading of the format, as transformers' loader uses,
+    rounded the same way), or None for another architecture.
+
+    Why: transformers' GGUF loader dequantizes every tensor to float32 first and casts after, so
+    a 1.5B model passes through ~6 GB of float32 beside its bfloat16 copy (the first run's peak,
+    9.3 GB on a Zen 4); here the peak is the model plus one tensor's float32. A file this reader
+    cannot read also gives None (transformers' loader then says what is wrong with it).
+    """
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, quants
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    path = Path(path)
+    try:
+        table = tensor_table(path)
+    except (OSError, ValueError):  # transformers' loader says what is wrong with the file
+        return None
+    if table.architecture != "qwen2":
+        return None
+    with no_init_weights():  # every parameter is overwritten below: no random values first
+        model = AutoModelForCausalLM.from_config(gguf_config(path), dtype=dtype)
+    parameters = dict(model.named_parameters())
+    filled = set()
+    for name, (kind, _, _) in table.tensors.items():
+        hf_name = _qwen2_name(name)
+        if hf_name not in parameters:
+            return None  # a tensor transformers' Qwen2 has no place for: leave the file to transformers
+        values = quants.dequantize(np.asarray(table.blocks(name)), GGMLQuantizationType(kind))
+        if not values.flags.writeable:  # a float32 tensor: a view of the read-only map
+            values = values.copy()
+        with torch.no_grad():
+            parameters[hf_name].copy_(torch.from_numpy(values.reshape(parameters[hf_name].shape)))
+        filled.add(hf_name)
+    if "lm_head.weight" not in filled and model.config.tie_word_embeddings:
+        filled.add("lm_head.weight")  # tied: the embedding's own tensor
+    missing = set(parameters) - filled
+    if missing:
+        raise ValueError(f"{path.name}: no tensor for {sorted(missing)[:3]}")
+    return model.eval()

@@ -112,8 +112,10 @@ def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None 
         progress(f"loading {spec}" + (f" (dequantizing to {str(dtype).removeprefix('torch.')})" if is_gguf(spec)
                                       else ""))
     try:
-        if is_gguf(spec):  # transformers dequantizes every tensor (a llama.cpp backend runs it as is)
+        if is_gguf(spec):  # dequantized to dtype (a llama.cpp backend runs it as is)
             from transformers.utils import logging as hf_logging
+
+            from specdecode.models.gguf_files import dequantized_model
 
             folder, name = os.path.split(os.path.abspath(os.path.expanduser(spec)))
             verbosity = hf_logging.get_verbosity()
@@ -121,8 +123,11 @@ def load_model(spec, dtype: torch.dtype, progress: Callable[[str], None] | None 
             hf_logging.set_verbosity_error()
             hf_logging.disable_progress_bar()
             try:
-                model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype,
-                                                             **placement(device_map, offload_folder))
+                # ours where it covers the file (one tensor at a time, never the whole model in
+                # float32) and nothing is placed; transformers' loader otherwise
+                model = (dequantized_model(os.path.join(folder, name), dtype) if device_map is None else None) \
+                    or AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype,
+                                                            **placement(device_map, offload_folder))
                 tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
             finally:
                 hf_logging.set_verbosity(verbosity)

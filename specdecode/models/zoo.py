@@ -177,6 +177,8 @@ def load_zoo_model(name: str, dtype: torch.dtype, progress: ProgressFn | None = 
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specdecode.models.gguf_files import dequantized_model
+
     model_info = ZOO[name]
     cached = weights_cache(name, dtype)
     if (cached / "config.json").exists() and (cached / "tokenizer_config.json").exists():
@@ -203,7 +205,9 @@ def load_zoo_model(name: str, dtype: torch.dtype, progress: ProgressFn | None = 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+        # ours: one tensor at a time (transformers' own passes the whole model through float32)
+        model = dequantized_model(gguf, dtype) \
+            or AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     finally:
         hf_logging.set_verbosity(verbosity)

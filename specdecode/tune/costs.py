@@ -127,13 +127,17 @@ class Choice:
     r2: float = 0.0  # r(2) of the chosen kernel (0: not recorded); with c and r, the guard's costs
     provisional: bool = False  # timed beside other work: used and cached, timed again on an idle start
 
-    def guard_costs(self) -> tuple[float, float, float] | None:
+    def guard_costs(self, gamma: int) -> tuple[float, float, float] | None:
         """(c, slope, base) for the guard from the chosen kernels' timings (tune.timing.verify_line),
-        or None where they do not say (plain decoding, a choice cached before r(2) was kept)."""
+        or None where they do not say (a choice cached before r(2) was kept). gamma: the decoder's
+        γ_max, for plain decoding's free drafts (c = 0: they cost no forward; r is then the target's
+        r(γ_max + 1), as the choice was made for that γ_max)."""
         from specdecode.tune.timing import verify_line
 
-        if self.draft_kernel is None or self.r2 <= 0:
+        if self.r2 <= 0:
             return None
+        if self.draft_kernel is None:
+            return (0.0, *verify_line(self.r2, self.r, gamma))
         return (self.c, *verify_line(self.r2, self.r, self.gamma))
 
     @property
@@ -192,9 +196,12 @@ def choose(targets: dict[str, TargetCost], drafts: dict[tuple[str, str], DraftCo
     plain = {kernel: request_rate(cost.read_s_per_token, 1 / cost.step_s) for kernel, cost in targets.items()}
     plain_kernel = max(plain, key=plain.get)
     # (score, Choice) of the best configuration overall and of the best on an invariant kernel
+    # plain decoding keeps its kernel's r(2) and r(γ_max + 1): the guard of free drafts prices
+    # their verifies with them (guard_costs) instead of timing the target again at load
     scored = [((1 + MARGIN) * plain[kernel], Choice(kernel, None, None, 0, plain[kernel], plain[plain_kernel],
-                                                    alpha=alpha, low_alpha=low_alpha, draft_timed=bool(drafts)))
-              for kernel in targets]
+                                                    r=cost.ratio(max_gamma + 1), alpha=alpha, low_alpha=low_alpha,
+                                                    draft_timed=bool(drafts), r2=cost.ratio(2)))
+              for kernel, cost in targets.items()]
     for kernel, cost in targets.items():
         for (draft_kernel, draft_dtype), draft in drafts.items():
             read = cost.read_s_per_token + draft.read_s_per_token
