@@ -518,7 +518,8 @@ void sd_linear(const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* w, 
 
 // y[m] = bf16(w · bf16(x[m] / sqrt(mean(x[m]²) + eps))), as transformers' RMSNorm rounds
 void sd_rms_norm(const bf16* x, int64_t M, int64_t H, const bf16* w, float eps, bf16* y, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
+    // one row (a step) in the calling thread: waking the team costs more than the row
+#pragma omp parallel for schedule(static) num_threads(threads) if (M > 1)
     for (int64_t m = 0; m < M; ++m) {
         const bf16* row = x + m * H;
         float lanes[16] = {0};
@@ -540,7 +541,7 @@ void sd_rms_norm(const bf16* x, int64_t M, int64_t H, const bf16* w, float eps, 
 
 // y[m, i] = bf16(bf16(silu(gate[m, i])) · up[m, i]); gate and up rows ld apart, y [M, I] dense
 void sd_silu_mul(const bf16* gate, const bf16* up, int64_t ld, int64_t M, int64_t I, bf16* y, int threads) {
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (M > 1)
     {
         std::vector<float> buf(I);
 #pragma omp for schedule(static)
