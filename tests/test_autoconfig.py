@@ -205,3 +205,50 @@ def test_the_tune_command_times_again_and_prints_the_table(model_dirs, cache, ti
     assert choice_cache.load_choice(_key(model_dirs)).notes != ("stale",)  # replaced
     with pytest.raises(SystemExit, match="^2$"):
         main(["tune", "--dtype", "float32"])
+
+
+@pytest.fixture
+def zen4_class(monkeypatch):
+    """This machine seen as the prior's class (AVX-512 BF16, no AMX, specdecode.native built for it)."""
+    from specdecode import native
+    from specdecode.tune import prior
+
+    report = dict(hardware.cpu_report(), flags=["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"])
+    monkeypatch.setattr(prior, "cpu_report", lambda: report)
+    monkeypatch.setattr(native, "available", lambda: True)
+    monkeypatch.setattr(native, "isa", lambda: "avx512-bf16")
+    return report
+
+
+def test_the_prior_decides_the_default_pair_on_its_class_without_timing_or_caching(cache, zen4_class, monkeypatch):
+    """The zoo's default pair on an AVX-512 BF16 CPU without AMX: the first start decides from the
+    prior in milliseconds (nothing timed, nothing cached), says so, and `specdecode tune` (measure_now)
+    times anyway; elsewhere (AMX, another pair, an explicit dtype or γ the prior still prices) it
+    does not apply or follows the decoder's options."""
+    from specdecode.tune import prior
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("timed although the prior covers this machine")
+    monkeypatch.setattr(tune, "measure_and_choose", no_measuring)
+    lines = []
+    plan = tune.plan(DecoderConfig(), lines.append)
+    choice = plan.choice
+    assert choice.prior and choice.target_kernel == "bfloat16-invariant" and plan.gamma == choice.gamma == 8
+    assert (choice.draft_kernel, choice.draft_dtype) == ("int4", "native") and choice.guard_costs(8) is not None
+    assert any("prior" in line and "specdecode tune" in line for line in lines if line.startswith("chose"))
+    assert not list(cache.glob("choices/*.json"))
+    assert tune.plan(DecoderConfig(num_speculative_tokens=3)).choice.gamma <= 3
+
+    timed = Choice("bfloat16", "int4", "bfloat16", 4, 9.0, 6.0, c=0.2, r=1.2, r2=1.05)
+    monkeypatch.setattr(tune, "measure_and_choose", lambda *args, **kwargs: timed)
+    assert tune.plan(DecoderConfig(), measure_now=True).choice == timed
+    assert tune.plan(DecoderConfig()).choice == timed  # cached now: the measurement replaces the prior
+
+    targets, kinds = ("bfloat16", "bfloat16-invariant"), ("int4", "int8", "none")
+    assert prior.prior_choice(DecoderConfig(), targets, kinds) is not None
+    assert prior.prior_choice(DecoderConfig(dtype="bfloat16"), targets, kinds) is None
+    assert prior.prior_choice(DecoderConfig(draft="none"), targets, kinds) is None
+    assert prior.prior_choice(DecoderConfig(draft_vocab_limit=1000), targets, kinds) is None
+    assert prior.prior_choice(DecoderConfig(), ("bfloat16",), kinds) is None  # batch_invariant=False
+    zen4_class["flags"] = zen4_class["flags"] + ["amx_tile", "amx_bf16"]
+    assert prior.prior_choice(DecoderConfig(), targets, kinds) is None

@@ -18,15 +18,13 @@ def add_parser(sub) -> None:
 
 def run(args, parser) -> int:
     from specdecode import tune
-    from specdecode.tune import cache
 
     config = decoder_config(args, parser)
     if config.dtype not in ("auto", "gguf"):
         parser.error(f"--dtype {config.dtype} times nothing: tune times --dtype auto (or gguf)")
     progress = stderr_progress(args)
     try:
-        cache.cache_path(tune.choice_key(config)).unlink(missing_ok=True)
-        plan = tune.plan(config, progress)
+        plan = tune.plan(config, progress, measure_now=True)
     except (ValueError, OSError, ImportError) as err:
         return error(err)
     choice = plan.choice

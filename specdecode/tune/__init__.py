@@ -28,6 +28,7 @@ from specdecode.tune import cache
 from specdecode.tune.candidates import Loaders, measure_and_choose
 from specdecode.tune.costs import Choice
 from specdecode.tune.hardware import CpuWatch, cpu_report, describe, idle_now, native_bfloat16
+from specdecode.tune.prior import prior_choice
 from specdecode.tune.timing import guard_costs
 
 __all__ = ["Plan", "plan", "guard_costs"]
@@ -48,9 +49,11 @@ class Plan:
     choice: Choice | None = None
 
 
-def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None) -> Plan:
+def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None, measure_now: bool = False) -> Plan:
     """The Plan for a validated config on this machine (measuring once per machine and pair where
-    dtype="auto" or "gguf" asks for it on the CPU; later starts read the choice cache).
+    dtype="auto" or "gguf" asks for it on the CPU and no prior covers it (tune.prior); later starts
+    read the choice cache). measure_now: time the candidates whatever is cached or known
+    (`specdecode tune`).
 
     Raises:
         ValueError, FileNotFoundError, ImportError: a model that cannot be loaded while measuring,
@@ -88,7 +91,7 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None) -
         return static
     targets, kinds = candidates_of(config, quantization)
     key = _key(config, targets + kinds)
-    choice = cache.load_choice(key)
+    choice = None if measure_now else cache.load_choice(key) or prior_choice(config, targets, kinds)
     if choice is not None and choice.provisional and idle_now():
         if progress:
             progress("the cached choice was timed beside other work and the machine is idle now: timing again")
@@ -106,7 +109,7 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None) -
             choice = dataclasses.replace(choice, notes=choice.notes + (note,), provisional=True)
             if progress:
                 progress(note)
-        cache.save_choice(key, choice)
+        cache.save_choice(key, choice)  # (a prior is not: it costs nothing to find again)
     if progress:
         progress(f"chose for this machine ({describe(cpu_report())}): {choice.describe()}")
     upcast = not native_bfloat16()

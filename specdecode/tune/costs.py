@@ -126,6 +126,7 @@ class Choice:
     draft_timed: bool = True  # False: no draft model was given, only target kernels were compared
     r2: float = 0.0  # r(2) of the chosen kernel (0: not recorded); with c and r, the guard's costs
     provisional: bool = False  # timed beside other work: used and cached, timed again on an idle start
+    prior: bool = False  # not timed here: the prior for this CPU class (tune.prior; notes say where from)
 
     def guard_costs(self, gamma: int) -> tuple[float, float, float] | None:
         """(c, slope, base) for the guard from the chosen kernels' timings (tune.timing.verify_line),
@@ -155,7 +156,7 @@ class Choice:
         return (f"{self.target_kernel} target, {self.draft_kernel} {self.draft_dtype} draft, γ ≤ {self.gamma}: "
                 f"c = {self.c:.2f}, "
                 f"r(γ+1) = {self.r:.2f}, expected {self.speedup:.2f}x plain decoding at α = {self.alpha:.2f} "
-                f"(weighed with α = {self.low_alpha:.2f})")
+                f"(weighed with α = {self.low_alpha:.2f})" + (f"; {self.notes[0]}" if self.prior and self.notes else ""))
 
 
 def choose(targets: dict[str, TargetCost], drafts: dict[tuple[str, str], DraftCost], alpha: float = PRIOR_ALPHA,

@@ -1,0 +1,55 @@
+"""A choice that exists before anything is timed: what this library measured for the zoo's default
+pair on a CPU class, so that the first start on such a machine decides in milliseconds instead of
+timing every candidate (a minute or more on 2 cores, several on a busy machine).
+
+The prior is a measurement, not a guess: the choice's own timings on the machine named in NOTE
+(the default pair's candidates, interleaved, on an idle machine), put through the same chooser
+(tune.costs.choose) with the decoder's γ_max. It covers one class, CPUs with AVX-512 BF16 and no
+AMX, where every measured machine chose the same configuration (an AMD EPYC Zen 4, and an Intel
+Xeon with AMX kept out: docs/results/native_kernels_zen4.md, vs_llamacpp_spr_noamx.md). Machines
+with AMX (oneDNN's tiles change which kernel wins from one machine to the next), AVX2-only CPUs,
+other pairs and explicit candidates are timed as before. `specdecode tune` times this machine and
+replaces the prior; the guard's costs start from the prior's and follow the loop's own timings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specdecode import native
+from specdecode.config import DecoderConfig
+from specdecode.models import zoo
+from specdecode.models.kernels import TargetKernel
+from specdecode.models.pair import model_names
+from specdecode.tune.costs import Choice, DraftCost, TargetCost, choose
+from specdecode.tune.hardware import cpu_report
+
+# The default pair on an AMD EPYC Zen 4, 2 cores (the choice's timings, 2026-12-07): the
+# batch-invariant bfloat16 target and the int4 draft on specdecode.native.
+TARGETS = {TargetKernel.BFLOAT16_INVARIANT.value: TargetCost(0.103, {2: 1.02, 9: 1.31}, 0.0120)}
+DRAFTS = {("int4", "native"): DraftCost(0.017, 0.0072)}
+NOTE = ("the prior for CPUs with AVX-512 BF16 and no AMX (the default pair measured on an AMD EPYC Zen 4: "
+        "bfloat16-invariant target step 103 ms, r(9) 1.31; int4 native draft step 17 ms); not timed here: "
+        "`specdecode tune` times this machine")
+
+
+def prior_choice(config: DecoderConfig, targets: tuple[str, ...], kinds: tuple[str, ...]) -> Choice | None:
+    """The prior's Choice for this config, or None where it does not cover it (then time).
+
+    Args:
+        config: the decoder's options (dtype "auto", the zoo's default pair by name, the draft's
+            default vocabulary limit).
+        targets, kinds: the candidates this config would time (tune.candidates_of): the prior's
+            kernels must be among them.
+    """
+    if config.dtype != "auto" or model_names(config) != (zoo.DEFAULT_TARGET, zoo.DEFAULT_DRAFT) \
+            or config.draft_vocab_limit != "auto":
+        return None
+    if TargetKernel.BFLOAT16_INVARIANT.value not in targets or "int4" not in kinds:
+        return None
+    flags = cpu_report()["flags"]
+    if "avx512_bf16" not in flags or any(flag.startswith("amx") for flag in flags) \
+            or not native.available() or native.isa() != "avx512-bf16":
+        return None
+    choice = choose(TARGETS, DRAFTS, max_gamma=config.num_speculative_tokens)
+    return dataclasses.replace(choice, notes=(NOTE,), prior=True)
