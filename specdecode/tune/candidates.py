@@ -24,14 +24,13 @@ then set the first run's peak memory, 14.6 GB.)
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 
+from specdecode.models.memory import release
 from specdecode.tune.costs import Choice, DraftCost, TargetCost, choose
 from specdecode.tune.hardware import native_bfloat16
 from specdecode.tune.timing import time_interleaved
@@ -91,17 +90,6 @@ def _parameter_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _release() -> None:
-    """Free what the last candidate held, so that the next one's peak is its own: its reference
-    cycles (transformers models hold some), then glibc's freed pages back to the system
-    (malloc_trim; elsewhere a no-op)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: tuple[str, ...], max_gamma: int,
                        progress: Progress = None, busy: Callable[[], bool] = lambda: False) -> Choice | None:
     """Time each candidate of this pair, one target model at a time, and return the Choice.
@@ -147,7 +135,7 @@ def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: 
         with torch.inference_mode():
             times = time_interleaved(backends, context, sizes)
         del backends, model
-        _release()
+        release()
         if "bfloat16-gemv" in times:
             times["bfloat16-gemv"] = {**times["bfloat16"], 1: times["bfloat16-gemv"][1]}
         costs.update({kernel: _target_cost(t) for kernel, t in times.items()})
@@ -169,7 +157,7 @@ def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: 
         for backend in backends.values():
             getattr(backend, "close", lambda: None)()  # llama.cpp's model and context, now rather than at collection
         del backends
-        _release()
+        release()
     draft_costs = _time_drafts(loaders, draft_kinds, context, say)
     if "float32-packed" in targets and loaders.pack is not None and bf16_bytes is not None:
         bound = _float32_bound(2 * bf16_bytes / (memory_bandwidth_gbs() * 1e9), costs, draft_costs, max_gamma)
@@ -181,11 +169,11 @@ def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: 
                 measured = time_interleaved({"float32-packed": loaders.backend(model, False)}, context,
                                             {"float32-packed": SIZES})
             del model
-            _release()
+            release()
             costs["float32-packed"] = _target_cost(measured["float32-packed"])
         else:
             say(f"float32 target not timed: {bound}")
-    _release()  # the chosen models load next
+    release()  # the chosen models load next
     choice = choose(costs, draft_costs, max_gamma=max_gamma, allow_plain=not busy())
     notes = tuple(f"{kernel} target: step {1e3 * cost.step_s:.0f} ms, r(9) {cost.ratio(9):.2f}, "
                   f"prompt read {1e3 * cost.read_s_per_token:.1f} ms/token" for kernel, cost in costs.items()) + \
@@ -243,7 +231,7 @@ def _time_drafts(loaders: Loaders, kinds: tuple[str, ...], context: list[int], s
         for backend in backends.values():
             getattr(backend, "close", lambda: None)()
         del backends
-        _release()
+        release()
         for variant in ("bfloat16-gemv", "bfloat16-sdpa"):  # their prompt reads are bfloat16's own
             if (kind, variant) in times:
                 times[kind, variant][read] = times[kind, "bfloat16"][read]
