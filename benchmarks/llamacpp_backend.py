@@ -81,9 +81,10 @@ def tiny_qwen2(seed: int, vocab: int, layers: int = 2, hidden: int = 64, head_sc
     return model
 
 
-def write_gguf(model, tokens: list[str], merges: list[str], path: Path) -> None:
+def write_gguf(model, tokens: list[str], merges: list[str], path: Path, tied: bool = False) -> None:
     """A Qwen2ForCausalLM and its byte-level BPE vocabulary as an F32 GGUF file (llama.cpp's
-    tensor names; qwen2's rotary layout needs no permutation), with a ChatML template."""
+    tensor names; qwen2's rotary layout needs no permutation), with a ChatML template. tied: no
+    output matrix (readers then tie the LM head to the token embeddings)."""
     import gguf
 
     config = model.config
@@ -109,6 +110,8 @@ def write_gguf(model, tokens: list[str], merges: list[str], path: Path) -> None:
     writer.add_chat_template(CHATML)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, config.num_hidden_layers)
     for name, weight in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), weight.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

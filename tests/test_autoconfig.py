@@ -213,7 +213,8 @@ def zen4_class(monkeypatch):
     from specdecode import native
     from specdecode.tune import prior
 
-    report = dict(hardware.cpu_report(), flags=["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"])
+    report = dict(hardware.cpu_report(), flags=["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"],
+                  native_bfloat16=True, threads=2, emulated={})
     monkeypatch.setattr(prior, "cpu_report", lambda: report)
     monkeypatch.setattr(native, "available", lambda: True)
     monkeypatch.setattr(native, "isa", lambda: "avx512-bf16")
@@ -250,5 +251,8 @@ def test_the_prior_decides_the_default_pair_on_its_class_without_timing_or_cachi
     assert prior.prior_choice(DecoderConfig(draft="none"), targets, kinds) is None
     assert prior.prior_choice(DecoderConfig(draft_vocab_limit=1000), targets, kinds) is None
     assert prior.prior_choice(DecoderConfig(), ("bfloat16",), kinds) is None  # batch_invariant=False
-    zen4_class["flags"] = zen4_class["flags"] + ["amx_tile", "amx_bf16"]
-    assert prior.prior_choice(DecoderConfig(), targets, kinds) is None
+    assert prior.prior_choice(DecoderConfig(num_speculative_tokens=12), targets, kinds) is None  # r(13) unmeasured
+    for changed in ({"flags": zen4_class["flags"] + ["amx_tile", "amx_bf16"]}, {"threads": 8},
+                    {"emulated": {"ATEN_CPU_CAPABILITY": "avx2"}}):
+        monkeypatch.setattr(prior, "cpu_report", lambda: dict(zen4_class, **changed))
+        assert prior.prior_choice(DecoderConfig(), targets, kinds) is None, changed

@@ -182,3 +182,23 @@ def test_dequantizing_one_tensor_at_a_time_gives_transformers_weights_bit_for_bi
         assert mine[name].dtype == value.dtype and torch.equal(mine[name], value), name
     with torch.inference_mode():
         assert torch.equal(ours(torch.tensor([PROMPT])).logits, theirs(torch.tensor([PROMPT])).logits)
+
+
+def test_a_file_without_an_output_matrix_is_dequantized_with_the_head_tied(files, tmp_path):
+    """No output.weight: the LM head is the token embeddings' own tensor (as transformers ties it),
+    never an uninitialized one, and the logits are transformers' own."""
+    from transformers import AutoModelForCausalLM
+
+    import llamacpp_backend
+    from specdecode.models.gguf_files import dequantized_model
+
+    tokens, merges = llamacpp_backend.tiny_vocabulary(320)
+    llamacpp_backend.write_gguf(files["model"], tokens, merges, tmp_path / "tied.gguf", tied=True)
+    ours = dequantized_model(tmp_path / "tied.gguf", torch.float32)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tied.gguf", dtype=torch.float32)
+    assert ours.config.tie_word_embeddings and ours.lm_head.weight is ours.model.embed_tokens.weight
+    with torch.inference_mode():
+        logits = ours(torch.tensor([PROMPT])).logits
+        assert torch.equal(logits, theirs(torch.tensor([PROMPT])).logits)
+        # the head is the embedding: the untied model's logits differ
+        assert not torch.allclose(logits, files["model"](torch.tensor([PROMPT])).logits, atol=1e-3)

@@ -210,7 +210,7 @@ _QWEN2_LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attentio
 
 def _qwen2_name(name: str) -> str | None:
     stem, _, kind = name.rpartition(".")
-    if stem.startswith("blk."):
+    if stem.startswith("blk.") and stem.count(".") >= 2:
         _, layer, part = stem.split(".", 2)
         return f"model.layers.{layer}.{_QWEN2_LAYER_NAMES[part]}.{kind}" if part in _QWEN2_LAYER_NAMES else None
     return f"{_QWEN2_NAMES[stem]}.{kind}" if stem in _QWEN2_NAMES else None
@@ -244,20 +244,23 @@ def dequantized_model(path, dtype):
         return None
     with no_init_weights():  # every parameter is overwritten below: no random values first
         model = AutoModelForCausalLM.from_config(gguf_config(path), dtype=dtype)
+    # (no_init_weights skips the tying too: a file without an output matrix has tied embeddings,
+    # and its LM head is then the embedding's own tensor, listed once below)
+    model.tie_weights()
     parameters = dict(model.named_parameters())
     filled = set()
     for name, (kind, _, _) in table.tensors.items():
         hf_name = _qwen2_name(name)
-        if hf_name not in parameters:
-            return None  # a tensor transformers' Qwen2 has no place for: leave the file to transformers
+        if hf_name not in parameters:  # a tensor transformers' Qwen2 has no place for: its loader decides
+            del model, table
+            release()
+            return None
         values = quants.dequantize(np.asarray(table.blocks(name)), GGMLQuantizationType(kind))
         if not values.flags.writeable:  # a float32 tensor: a view of the read-only map
             values = values.copy()
         with torch.no_grad():
             parameters[hf_name].copy_(torch.from_numpy(values.reshape(parameters[hf_name].shape)))
         filled.add(hf_name)
-    if "lm_head.weight" not in filled and model.config.tie_word_embeddings:
-        filled.add("lm_head.weight")  # tied: the embedding's own tensor
     missing = set(parameters) - filled
     if missing:
         raise ValueError(f"{path.name}: no tensor for {sorted(missing)[:3]}")

@@ -16,7 +16,8 @@
 // the output columns), so a k-token verify gives each row the bits a one-token step gives it.
 //
 // Memory: each weight row's blocks are decoded once per call and multiplied into up to 12 rows
-// while in registers (a 9-token verify in one pass); further rows re-read the weight row from cache.
+// (AVX-512; 8 with AVX2) while in registers (a 9-token verify in one pass); further rows re-read
+// the weight row from cache.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -43,7 +44,13 @@ const int QK = 256;               // inputs per super-block
 const int Q4K_BYTES = 144;        // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
 const int Q6K_BYTES = 210;        // 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, fp16 d
 const int TYPE_Q4_K = 12, TYPE_Q6_K = 14;  // GGML type ids
-const int ROWS = 12;              // activation rows per pass over a weight row
+// activation rows per pass over a weight row: AVX-512 keeps 12 rows' accumulators in its 32
+// registers (a 9-token verify in one pass); AVX2's 16 would spill them
+#if KQ_ISA == 2
+const int ROWS = 12;
+#else
+const int ROWS = 8;
+#endif
 // How far ahead the weight stream is requested into the outer caches, as rows.cpp does (32 KiB):
 // on an AMX Xeon (2 cores, oneDNN capped) a one-row pass over the Q4_K_M file took 52-54 ms with
 // it against 57-61 ms with 2 KiB ahead into L1.
@@ -278,7 +285,7 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, f
             scales[2 * c + 1] = _mm256_set1_epi16(static_cast<int16_t>((sc >> (16 * c + 8)) & 0xff));
         }
         // unrolled: the rows' accumulators stay in registers
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int i = 0; i < MG; ++i) {
             const int64_t row = m0 + i;
             const int8_t* xq = a.q.data() + row * a.K + b * QK;
@@ -353,7 +360,7 @@ void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, f
         const __m512i scales01 = _mm512_permutexvar_epi16(pick01, sc_all);
         const __m512i scales23 = _mm512_permutexvar_epi16(pick23, sc_all);
         // unrolled: the rows' accumulators stay in registers
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int i = 0; i < MG; ++i) {
             const int64_t row = m0 + i;
             const int8_t* xq = a.q.data() + row * a.K + b * QK;
@@ -394,7 +401,7 @@ void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, f
             scales[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16(s[0])), _mm_set1_epi16(s[1]), 1);
         }
         // unrolled: the rows' accumulators stay in registers
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int i = 0; i < MG; ++i) {
             const int64_t row = m0 + i;
             const int8_t* xq = a.q.data() + row * a.K + b * QK;
@@ -447,7 +454,10 @@ void weight_row(int type, const Activations& a, int64_t M, const uint8_t* w, flo
     for (int64_t m = 0; m < M;) {
         const int g = static_cast<int>(std::min<int64_t>(M - m, size));
         switch (g) {
-            KQ_CASE(1) KQ_CASE(2) KQ_CASE(3) KQ_CASE(4) KQ_CASE(5) KQ_CASE(6) KQ_CASE(7) KQ_CASE(8) KQ_CASE(9) KQ_CASE(10) KQ_CASE(11) KQ_CASE(12)
+            KQ_CASE(1) KQ_CASE(2) KQ_CASE(3) KQ_CASE(4) KQ_CASE(5) KQ_CASE(6) KQ_CASE(7) KQ_CASE(8)
+#if KQ_ISA == 2
+            KQ_CASE(9) KQ_CASE(10) KQ_CASE(11) KQ_CASE(12)
+#endif
             default: break;
         }
         m += g;

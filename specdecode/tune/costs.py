@@ -103,10 +103,11 @@ class Choice:
         decoding. The draft's dtype is free: the verifier needs only the q it sampled from.
     gamma: γ_max (0 for plain decoding).  rate: expected tokens per second of the planned request
     (prompt read included).  plain_rate: the same for plain decoding with the best target kernel.
-    c: the draft step over the chosen target step (paper Def. 3.7).  r: r(γ+1) of that kernel.
+    c: the draft step over the chosen target step (paper Def. 3.7).  r, r2: r(γ+1) and r(2) of that
+    kernel (for plain decoding r(γ_max+1): its free drafts' verifies).
     alpha: the α planned for.  low_alpha: the low α weighed as much (LOW_ALPHA).  notes: what was
-    measured, one line per target kernel.  guard_costs(): the guard's starting costs from these
-    timings (no second measurement at load).
+    measured, one line per target kernel.  guard_costs(γ_max): the guard's starting costs from
+    these timings (no second measurement at load).  prior: not timed here (tune.prior).
     The verification rule is not chosen: block verification equals the token-wise rule under
     greedy decoding, costs the same target call, and measured level with it at temperature 1
     (2.59x against 2.61x, docs/results/bench_code_t1_20.md); Eq. 1 has no term for its gain.

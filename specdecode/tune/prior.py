@@ -5,7 +5,8 @@ timing every candidate (a minute or more on 2 cores, several on a busy machine).
 The prior is a measurement, not a guess: the choice's own timings on the machine named in NOTE
 (the default pair's candidates, interleaved, on an idle machine), put through the same chooser
 (tune.costs.choose) with the decoder's γ_max. It covers one class, CPUs with AVX-512 BF16 and no
-AMX, where every measured machine chose the same configuration (an AMD EPYC Zen 4, and an Intel
+AMX run with 2 threads (as measured; γ_max up to 8), where every measured machine chose the same
+configuration (an AMD EPYC Zen 4, and an Intel
 Xeon with AMX kept out: docs/results/native_kernels_zen4.md, vs_llamacpp_spr_noamx.md). Machines
 with AMX (oneDNN's tiles change which kernel wins from one machine to the next), AVX2-only CPUs,
 other pairs and explicit candidates are timed as before. `specdecode tune` times this machine and
@@ -45,10 +46,14 @@ def prior_choice(config: DecoderConfig, targets: tuple[str, ...], kinds: tuple[s
     if config.dtype != "auto" or model_names(config) != (zoo.DEFAULT_TARGET, zoo.DEFAULT_DRAFT) \
             or config.draft_vocab_limit != "auto":
         return None
-    if TargetKernel.BFLOAT16_INVARIANT.value not in targets or "int4" not in kinds:
+    # measured up to γ_max = 8 (r(9)): a larger γ_max prices verifies it has not seen
+    if TargetKernel.BFLOAT16_INVARIANT.value not in targets or "int4" not in kinds \
+            or config.num_speculative_tokens > 8:
         return None
-    flags = cpu_report()["flags"]
-    if "avx512_bf16" not in flags or any(flag.startswith("amx") for flag in flags) \
+    report = cpu_report()
+    # the machine as it is: not acting as an older one (emulation variables), 2 threads as measured
+    if "avx512_bf16" not in report["flags"] or any(flag.startswith("amx") for flag in report["flags"]) \
+            or report["emulated"] or not report["native_bfloat16"] or report["threads"] != 2 \
             or not native.available() or native.isa() != "avx512-bf16":
         return None
     choice = choose(TARGETS, DRAFTS, max_gamma=config.num_speculative_tokens)
