@@ -207,7 +207,8 @@ class SpeculativeDecoder:
                 "free_drafts": self.free_drafts,
                 "batch_invariant": bool(getattr(self.target.backend, "batch_invariant", False)),
                 "machine": cpu_report(),
-                "choice": None if choice is None else {"summary": choice.describe(), "measured": list(choice.notes)},
+                "choice": None if choice is None else {"summary": choice.describe(), "measured": list(choice.notes),
+                                                       "prior": choice.prior},
                 "draft_vocabulary": None if not self.cross_vocab else {
                     "shared_tokens": self.num_shared_tokens,
                     "method": {"auto": "TLI for sampled requests, SLEM for greedy ones", "tli": "TLI",

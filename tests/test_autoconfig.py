@@ -66,7 +66,7 @@ def test_auto_times_the_pair_once_and_a_second_start_reuses_the_choice(model_dir
     configuration = second.configuration()
     assert configuration["dtype"] == str(second.dtype).removeprefix("torch.")
     assert configuration["machine"]["capability"] == torch.backends.cpu.get_cpu_capability()
-    assert configuration["choice"]["summary"] == first.choice.describe()
+    assert configuration["choice"]["summary"] == first.choice.describe() and configuration["choice"]["prior"] is False
 
 
 @pytest.mark.skipif(not packed.available(), reason="this torch build has no oneDNN packed linear")
@@ -256,3 +256,21 @@ def test_the_prior_decides_the_default_pair_on_its_class_without_timing_or_cachi
                     {"emulated": {"ATEN_CPU_CAPABILITY": "avx2"}}):
         monkeypatch.setattr(prior, "cpu_report", lambda: dict(zen4_class, **changed))
         assert prior.prior_choice(DecoderConfig(), targets, kinds) is None, changed
+
+
+def test_a_file_candidate_that_cannot_be_made_is_skipped_where_others_were_timed(model_dirs, timed_when_tiny):
+    """llama.cpp's BF16 copy can fail (no room on disk for 3.6 GB): the torch targets timed before
+    it still choose, the progress says why it was left out; with nothing else timed it raises."""
+    import dataclasses
+
+    config = DecoderConfig(model_dirs["target"], model_dirs["draft"])
+
+    def no_room(kernel):
+        raise ValueError(f"llama.cpp could not convert the file to bf16 ({kernel}: no room on disk)")
+    loaders = dataclasses.replace(tune._loaders(config, model_dirs["target"], model_dirs["draft"]), file_target=no_room)
+    lines = []
+    choice = candidates.measure_and_choose(loaders, ("bfloat16", "llama.cpp-bf16"), ("int4",), 4, lines.append)
+    assert choice.target_kernel.startswith("bfloat16")
+    assert any("llama.cpp-bf16 not timed" in line and "no room" in line for line in lines)
+    with pytest.raises(ValueError, match="no room"):
+        candidates.measure_and_choose(loaders, ("llama.cpp-bf16",), ("int4",), 4)

@@ -146,14 +146,17 @@ def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: 
         for kernel in file_kernels:
             try:
                 backends[kernel] = loaders.file_target(kernel)
-            except (ValueError, RuntimeError) as err:  # a file or build this kernel cannot run: the others stay
-                if len(file_kernels) == 1:
+            except (ValueError, RuntimeError, OSError) as err:
+                # a file, build or disk this kernel cannot run with (llama.cpp's BF16 copy needs 3.6
+                # GB of disk for the default target): the other candidates stay, if there are any
+                if len(file_kernels) == 1 and not costs:
                     raise
                 say(f"{kernel} not timed: {err}")
-        context = context or _context(next(iter(backends.values())).num_embeddings)
-        with torch.inference_mode():
-            times = time_interleaved(backends, context, {kernel: SIZES for kernel in backends})
-        costs.update({kernel: _target_cost(t) for kernel, t in times.items()})
+        if backends:
+            context = context or _context(next(iter(backends.values())).num_embeddings)
+            with torch.inference_mode():
+                times = time_interleaved(backends, context, {kernel: SIZES for kernel in backends})
+            costs.update({kernel: _target_cost(t) for kernel, t in times.items()})
         for backend in backends.values():
             getattr(backend, "close", lambda: None)()  # llama.cpp's model and context, now rather than at collection
         del backends
