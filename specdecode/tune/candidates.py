@@ -142,16 +142,17 @@ def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: 
     file_kernels = [k for k in targets if k in FILE_KERNELS]
     if file_kernels:  # timed side by side: the same file's weights, computed two ways
         say(f"timing the target's GGUF file ({', '.join(file_kernels)})")
-        backends = {}
+        backends, failed = {}, []
         for kernel in file_kernels:
             try:
                 backends[kernel] = loaders.file_target(kernel)
             except (ValueError, RuntimeError, OSError) as err:
                 # a file, build or disk this kernel cannot run with (llama.cpp's BF16 copy needs 3.6
                 # GB of disk for the default target): the other candidates stay, if there are any
-                if len(file_kernels) == 1 and not costs:
-                    raise
+                failed.append(err)
                 say(f"{kernel} not timed: {err}")
+        if failed and not backends and not costs:
+            raise failed[0]
         if backends:
             context = context or _context(next(iter(backends.values())).num_embeddings)
             with torch.inference_mode():
