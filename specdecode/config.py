@@ -34,7 +34,7 @@ DEFAULT_DRAFT_QUANTIZATION = "int4"
 FreeDrafts = Literal["auto", "off", "suffix", "ngram"]
 Quantization = Literal["auto", "none", "int8", "int4", "gguf"]
 GammaSchedule = Literal["fixed", "adaptive"]
-Verification = Literal["token", "block"]
+Verification = Literal["token", "block", "drafter-invariant"]
 CrossVocab = Literal["auto", "tli", "slem"]
 DType = Literal["auto", "bfloat16", "float32", "float16", "float64", "gguf"]
 Backend = Literal["auto", "torch", "llama.cpp"]
@@ -82,8 +82,12 @@ class DecoderConfig:
             in [0, 1) (default 0.4); 0 always drafts γ tokens.
         gamma_schedule: "fixed" (up to γ every step) or "adaptive" (start at 4, +2 after a fully
             accepted block, -1 otherwise, within [1, γ]).
-        verification: "token" (paper §2.3) or "block" (Sun et al. 2024: the block jointly, never
-            fewer accepted drafts in expectation; the same output under greedy decoding).
+        verification: "token" (paper §2.3), "block" (Sun et al. 2024: the block jointly, never
+            fewer accepted drafts in expectation; the same output under greedy decoding) or
+            "drafter-invariant" (each token is the target's own sample from noise keyed by the seed
+            and its position, and drafts are kept where they equal it: a seeded request gives the
+            same tokens with or without speculation, whatever was drafted; fewer drafts accepted
+            than "token", verify.drafter_invariant_step). All three are exact.
         tree_width: draft a token tree with up to this many candidates where the draft is less
             than tree_confidence sure (verify.tree_step); 1 (default) drafts a chain. Needs
             verification="token", a draft with the target's tokenizer and a torch target.
@@ -309,9 +313,9 @@ class DecoderConfig:
         """
         if not _is_number(lenience) or not 0 < lenience <= 1:
             raise ValueError(f"lenience must be a number in (0, 1] (1 = exact; below 1 is lossy), got {lenience!r}")
-        if lenience != 1 and self.verification == "block":
+        if lenience != 1 and self.verification != "token":
             raise ValueError(f"lenience {lenience} (lossy) needs verification='token'; this decoder verifies "
-                             "blocks, which is exact only")
+                             f"with the {self.verification!r} rule, which is exact only")
         if lenience != 1 and self.tree_width > 1:
             raise ValueError(f"lenience {lenience} (lossy) needs tree_width=1; token trees are verified exactly")
 

@@ -184,6 +184,50 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
+# --- the exponential race: a token as a pure function of (seed, position) -------------------------------
+#
+# argmax_i p_i / E_i with E_i i.i.d. Exp(1) is token i with probability p_i / Σ p (the Gumbel-max
+# trick in exponential form: min_i E_i / p_i is Exp(Σ p), attained at i with probability p_i / Σ p).
+# Drawing E from a counter-based generator keyed by the request's seed and the token's position makes
+# the token at each position a function of the prefix alone: the same whichever drafts were offered,
+# with speculation or without (Daliri, Musco, Suresh, "Coupling without Communication and
+# Drafter-Invariant Speculative Decoding", arXiv 2408.07978).
+
+
+def race_noise(seed: int, position: int, size: int) -> torch.Tensor:
+    """E ~ Exp(1) i.i.d.: [size] float32, a pure function of (seed, position, index).
+
+    Philox-4x64 keyed by the seed (mod 2**64), its counter starting at `position` in its top word,
+    so positions never share numbers; uniforms from the top 24 bits of each 64-bit word, centred
+    ((j + 0.5) / 2**24, never 0 or 1), E = -log(u). A shorter size gives a prefix of a longer one,
+    so a draft with a smaller (or padded) vocabulary sees the target's numbers for the ids it has.
+    About 1 ms for 151,936 ids (numpy; measured 2026-12-07 on a Zen 4).
+    """
+    raw = np.random.Philox(key=seed % 2**64, counter=[0, 0, 0, position]).random_raw(size)
+    u = (raw >> np.uint64(40)).astype(np.float32)
+    u += np.float32(0.5)
+    u *= np.float32(2.0 ** -24)
+    np.log(u, out=u)
+    np.negative(u, out=u)
+    return torch.from_numpy(u)
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race's winner, argmax probs / noise on the last dim: [...] int64.
+
+    probs: [..., V] float32, need not be normalized (zeros never win).  noise: [..., V'] from
+    race_noise, V' >= V (its first V entries are used). With fresh noise per position this is an
+    exact sample of norm(probs), as torch.multinomial is, but determined by the noise.
+    """
+    return first_argmax(probs.float() / noise[..., :probs.shape[-1]])
+
+
+def race_seed(generator: torch.Generator) -> int:
+    """The seed a row's race noise is keyed by: its generator's (SamplingParams.seed, or the fresh
+    seed drawn for seed=None)."""
+    return generator.initial_seed()
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A per-request generator on the device its tensors live on (docs/exactness.md rule 7); a None seed
     draws a fresh one."""

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from specdecode.sampling import first_argmax
+from specdecode.sampling import first_argmax, race
 
 
 def _check_shapes(draft_tokens, draft_probs, target_probs):
@@ -166,6 +166,41 @@ def greedy_lenient_step(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
     next_token = argmax[torch.arange(batch, device=draft_tokens.device), num_accepted]
     return num_accepted, next_token
+
+
+def drafter_invariant_step(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
+                           noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the drafts that equal the target's own sample at their position (drafter-invariant
+    verification: Daliri, Musco, Suresh 2024, arXiv 2408.07978, on the paper's §2.3 loop).
+
+    The target's token at each position is the exponential race over its adjusted distribution with
+    that position's noise (sampling.race): an exact sample of p, and a function of the prefix and
+    the noise only. Keeping the drafts up to the first that differs and then emitting the race's
+    winner therefore emits exactly what plain decoding with the same noise emits, whatever was
+    drafted: the output follows the target's distribution (each position's noise is fresh), and a
+    seeded request gives the same tokens with or without speculation. A draft that samples with the
+    same noise (DraftModelProposer does) agrees often: at least (1 − TV)/(1 + TV) per token where
+    the paper's rule gets 1 − TV (TV = the total variation distance of p and q).
+
+    Args:
+        draft_tokens: [B, k] int64.
+        target_probs: [B, k+1, V] float32, p; row k is used only if all k are kept.
+        noise: [B, k+1, V'] float32 with V' >= V, sampling.race_noise at each of the k+1 positions.
+    Returns:
+        num_accepted: [B] int64 in [0, k].
+        next_token:   [B] int64, the race's winner at the first differing position (or at k).
+    Raises:
+        ValueError: if shapes disagree (all three are printed).
+    """
+    if (draft_tokens.dim() != 2 or target_probs.dim() != 3 or noise.dim() != 3
+            or target_probs.shape[:2] != (draft_tokens.shape[0], draft_tokens.shape[1] + 1)
+            or noise.shape[:2] != target_probs.shape[:2] or noise.shape[2] < target_probs.shape[2]):
+        raise ValueError("expected draft_tokens [B, k], target_probs [B, k+1, V], noise [B, k+1, V' >= V]; got "
+                         f"{tuple(draft_tokens.shape)}, {tuple(target_probs.shape)}, {tuple(noise.shape)}")
+    batch, k = draft_tokens.shape
+    winners = race(target_probs, noise)  # [B, k+1]
+    num_accepted = (draft_tokens == winners[:, :k]).long().cumprod(dim=1).sum(dim=1)
+    return num_accepted, winners[torch.arange(batch, device=draft_tokens.device), num_accepted]
 
 
 # --- block verification ---------------------------------------------------------------------------

@@ -82,8 +82,8 @@ def test_chi_square_detects_a_transform_that_reaches_the_draft_only(monkeypatch,
     import specdecode.engine.engine as engine
 
     real_accept = engine.accept
-    monkeypatch.setattr(engine, "accept", lambda d, q, logits, config, gen, pipeline=None, committed=None:
-                        real_accept(d, q, logits, config, gen))
+    monkeypatch.setattr(engine, "accept", lambda d, q, logits, config, gen, committed, pipeline=None:
+                        real_accept(d, q, logits, config, gen, committed))
     observed, probs = _counts(sampling, 3000, eos)
     assert chi2_pvalue(observed, probs) < 1e-6
 

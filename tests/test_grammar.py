@@ -108,8 +108,8 @@ def test_chi_square_detects_a_mask_on_the_draft_side_only(table_grammar, monkeyp
     from specdecode.grammar import GrammarState
 
     real_accept = engine.accept
-    monkeypatch.setattr(engine, "accept", lambda d, q, logits, config, gen, pipeline=None, committed=None:
-                        real_accept(d, q, logits, config, gen))
+    monkeypatch.setattr(engine, "accept", lambda d, q, logits, config, gen, committed, pipeline=None:
+                        real_accept(d, q, logits, config, gen, committed))
 
     def lenient_sync(self, committed):  # the broken loop commits forbidden tokens: skip them
         for token in committed[self._consumed:]:

@@ -217,8 +217,8 @@ def test_chi_square_detects_penalties_ignored_on_the_target_side(monkeypatch):
     import specdecode.engine.engine as engine
 
     real_accept = engine.accept
-    monkeypatch.setattr(engine, "accept", lambda d, q, logits, config, gen, pipeline=None, committed=None:
-                        real_accept(d, q, logits, config, gen))
+    monkeypatch.setattr(engine, "accept", lambda d, q, logits, config, gen, committed, pipeline=None:
+                        real_accept(d, q, logits, config, gen, committed))
     observed, probs = _counts(lambda d: DraftModelProposer(d), PENALIZED, 3000)
     assert chi2_pvalue(observed, probs) < 1e-6
 

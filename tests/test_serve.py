@@ -924,37 +924,49 @@ def test_a_servers_earlier_requests_make_a_later_one_draft_and_its_output_stays_
     assert drafted > LATER // 2 and pooled_chi2_pvalue(counts, exact)[0] < 1e-6
 
 
-def same_output_alone_beside_others_after_traffic_and_without_drafts(dirs, invariant: str) -> list[bool]:
-    """A greedy request's (text, token logprobs) sent alone to a bfloat16 server compared, bit for
-    bit, with: the same request sent with four others at once, sent again after that traffic
-    (other verify widths, suffix drafts from earlier requests), and from a server with no draft
-    model (plain decoding)."""
-    flags = ["--dtype", "bfloat16", "--batch-invariant", invariant]
+def same_output_alone_beside_others_after_traffic_and_without_drafts(dirs, invariant: str, verification: str
+                                                                     ) -> dict[str, list[bool]]:
+    """A greedy request's and a seeded sampled request's (text, token logprobs) sent alone to a
+    bfloat16 server compared, bit for bit, with: the same request sent with four others at once,
+    sent again after that traffic (other verify widths, suffix drafts from earlier requests), and
+    from a server with no draft model (plain decoding)."""
+    flags = ["--dtype", "bfloat16", "--batch-invariant", invariant, "--verification", verification]
     speculative = Server(dirs, *flags, "--max-batch-size", "4", "-k", "4")
     plain = Server(dirs, *flags, "--draft", "none")
+    seeded = {"temperature": 1.0, "seed": 7}
     try:
-        def run(server, prompt="the cafe"):
-            choice = complete(server, prompt, max_tokens=40, logprobs=2).choices[0]
+        def run(server, prompt="the cafe", **sampling):
+            choice = complete(server, prompt, max_tokens=40, logprobs=2, **sampling).choices[0]
             return choice.text, choice.logprobs.token_logprobs
 
-        alone = run(speculative)
-        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        alone = {"greedy": run(speculative), "seeded": run(speculative, **seeded)}
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
             together = [pool.submit(run, speculative, p) for p in ["the cafe", "bad bed", "ace", "fade", "gag"]]
-            beside = together[0].result()
+            together.append(pool.submit(run, speculative, "the cafe", **seeded))
+            beside = {"greedy": together[0].result(), "seeded": together[-1].result()}
         info = httpx.get(speculative.url + "/v1/models", timeout=10).json()["data"][0]["specdecode"]
         assert info["batch_invariant"] is (invariant == "on")
-        assert complete(speculative, "ace").model_extra["speculation"]["batch_invariant"] is (invariant == "on")
-        return [beside == alone, run(speculative) == alone, run(plain) == alone]
+        report = complete(speculative, "ace").model_extra["speculation"]
+        assert report["batch_invariant"] is report["repeatable"] is (invariant == "on")
+        assert complete(speculative, "ace", **seeded).model_extra["speculation"]["repeatable"] is (
+            invariant == "on" and verification == "drafter-invariant")
+        return {kind: [beside[kind] == alone[kind], run(speculative, **sampling) == alone[kind],
+                       run(plain, **sampling) == alone[kind]]
+                for kind, sampling in (("greedy", {}), ("seeded", seeded))}
     finally:
         assert speculative.stop() == 0 and plain.stop() == 0
 
 
 def test_bfloat16_server_output_is_the_same_alone_beside_others_after_traffic_and_without_drafts(chat_model_dirs):
-    """On the batch-invariant kernels every comparison holds; the power check: on torch's bfloat16
-    kernels (a verify rounds unlike a step) at least one does not."""
+    """On the batch-invariant kernels with drafter-invariant verification every comparison holds,
+    greedy and seeded sampled; the power checks: on torch's bfloat16 kernels (a verify rounds
+    unlike a step) a greedy one does not, and with the paper's rule a seeded request's tokens
+    differ from plain decoding's (other random numbers are drawn)."""
     from specdecode import native
 
     if not native.available():
         pytest.skip("no C++ compiler for the batch-invariant kernels")
-    assert all(same_output_alone_beside_others_after_traffic_and_without_drafts(chat_model_dirs, "on"))
-    assert not all(same_output_alone_beside_others_after_traffic_and_without_drafts(chat_model_dirs, "off"))
+    same = same_output_alone_beside_others_after_traffic_and_without_drafts(chat_model_dirs, "on", "drafter-invariant")
+    assert all(same["greedy"]) and all(same["seeded"]), same
+    same = same_output_alone_beside_others_after_traffic_and_without_drafts(chat_model_dirs, "off", "token")
+    assert not all(same["greedy"]) and not same["seeded"][2], same

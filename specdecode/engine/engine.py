@@ -39,8 +39,9 @@ from specdecode.engine.request import (ACCEPTED, BONUS, CORRECTED, TARGET, Decod
 from specdecode.engine.stats import GenerationStats
 from specdecode.processors import LogitsPipeline, build_pipeline
 from specdecode.proposers.base import Draft, no_draft, proposer_reads
-from specdecode.sampling import SamplingParams, adjust, first_argmax, make_generator, sample
-from specdecode.verify import block_step, greedy_lenient_step, speculative_step, tree_step
+from specdecode.sampling import (SamplingParams, adjust, first_argmax, make_generator, race, race_noise, race_seed,
+                                 sample)
+from specdecode.verify import block_step, drafter_invariant_step, greedy_lenient_step, speculative_step, tree_step
 
 
 @dataclass
@@ -94,6 +95,10 @@ class _Row:
         self.request_id, self.request, self.config = request_id, request, config
         self.sampling: SamplingParams = config.sampling
         self.generator = make_generator(config.sampling.seed, device)
+        # drafter-invariant rows draw every token by the race with noise keyed by this seed; a
+        # proposer that drafts with the same noise is accepted far more often
+        self.race_seed = race_seed(self.generator) if config.verification == "drafter-invariant" \
+            and not config.sampling.greedy else None
         self.tokens = list(request.prompt_ids)
         self.pending = list(request.prompt_ids)
         self.out = Output(config, tokenizer, self.tokens)
@@ -125,16 +130,18 @@ class _Row:
 
 
 def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor, config: DecodeConfig,
-           generator: torch.Generator, pipeline: LogitsPipeline | None = None,
-           committed: list[int] | None = None) -> tuple[int, int]:
+           generator: torch.Generator, committed: list[int], pipeline: LogitsPipeline | None = None
+           ) -> tuple[int, int]:
     """Step 4 for one row: (drafts accepted, the next token).
 
     Args:
         drafts: [k] int64.  draft_probs: [k, V_draft] q (None when k = 0).
         logits: [k+1, V] the target's raw logits after the pending tokens and each draft.
         config: the row's sampling, lenience and verification rule.  generator: the row's.
-        pipeline: the row's prefix-dependent transforms (rule 9), given the committed tokens:
-            position i's logits are transformed with prefix committed + drafts[:i].
+        committed: the row's committed tokens (prompt + emitted): drafts[i] is at position
+            len(committed) + i.
+        pipeline: the row's prefix-dependent transforms (rule 9): position i's logits are
+            transformed with prefix committed + drafts[:i].
     """
     k = len(drafts)
     if pipeline is not None:
@@ -148,6 +155,14 @@ def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch
         n, token = greedy_lenient_step(drafts[None], logits[None], config.lenience)
         return int(n), int(token)
     p = adjust(logits, config.sampling)
+    if config.verification == "drafter-invariant":
+        # each position's token is the race over p with that position's noise (sampling.race_noise)
+        seed, start = race_seed(generator), len(committed)
+        noise = torch.stack([race_noise(seed, start + i, p.shape[-1]) for i in range(k + 1)]).to(p.device)
+        if k == 0:
+            return 0, int(race(p[0], noise[0]))
+        n, token = drafter_invariant_step(drafts[None], p[None], noise[None])
+        return int(n), int(token)
     if k > 0:
         # Under greedy decoding (one-hot p and q) the block rule is the token-wise rule exactly
         # (tests/test_block_verify.py), and the token-wise one is cheaper.
@@ -415,7 +430,7 @@ class Engine:
             positions = [0] + [node + 1 for node in path]  # logits row of each emitted token
         else:
             n, token = accept(draft.tokens, draft.probs if k else None, logits, row.config, row.generator,
-                              row.pipeline, row.tokens)
+                              row.tokens, row.pipeline)
             new = ids[:n] + [token]
             origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]
             path, kept, positions = None, n, list(range(n + 1))
@@ -525,6 +540,9 @@ class Engine:
                        self.target.vocab_size, self.clock)
             # whether its logits are the same bits whatever else the target computes (models/invariant.py)
             row.stats.batch_invariant = bool(getattr(self.target, "batch_invariant", False))
+            sampling = request.config.sampling
+            row.stats.repeatable = row.stats.batch_invariant and (sampling.greedy or (
+                request.config.verification == "drafter-invariant" and sampling.seed is not None))
             if scored_row:
                 row.prompt_logprobs = scored_row[0].prompt_logprobs
                 scored.append(row)

@@ -13,7 +13,7 @@ from specdecode.sampling import SamplingParams
 ACCEPTED, CORRECTED, BONUS, TARGET = "accepted", "corrected", "bonus", "target"
 
 # How a step's drafts are verified: token by token (paper §2.3) or as a block (Sun et al. 2024).
-VERIFICATIONS = ("token", "block")
+VERIFICATIONS = ("token", "block", "drafter-invariant")
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,13 @@ class DecodeConfig:
     grammar: a specdecode.grammar.Grammar the output must follow, or None.
     verification: "token" checks the drafts one by one (paper §2.3, verify.speculative_step);
         "block" verifies the block jointly (Sun et al. 2024, verify.block_step): exact too, and
-        never fewer accepted drafts in expectation. Greedy decoding is the same under both.
+        never fewer accepted drafts in expectation; "drafter-invariant" samples each token by the
+        exponential race with noise keyed by the seed and its position and keeps the drafts equal
+        to it (verify.drafter_invariant_step): exact, and the same tokens with or without
+        speculation. Greedy decoding is the same under all three.
     Raises:
-        ValueError: an unknown verification, or lenience < 1 with "block" (block has no lossy form).
+        ValueError: an unknown verification, or lenience < 1 with "block" or "drafter-invariant"
+            (they have no lossy form).
     """
 
     max_new_tokens: int
@@ -64,9 +68,9 @@ class DecodeConfig:
     def __post_init__(self):
         if self.verification not in VERIFICATIONS:
             raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {self.verification!r}")
-        if self.verification == "block" and self.lenience != 1:
+        if self.verification != "token" and self.lenience != 1:
             raise ValueError(f"lenience {self.lenience} (lossy) works with verification='token' only; "
-                             "block verification is exact")
+                             f"{self.verification} verification is exact")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,9 @@ class GenerationStats:
     time_target_s: float = 0.0
     lossy: bool = False
     batch_invariant: bool = False  # the target computed its logits on batch-invariant kernels
+    # the same request (seed included) gives the same tokens whatever runs beside it and whatever was
+    # drafted: batch-invariant logits, and greedy or drafter-invariant verification with a seed
+    repeatable: bool = False
     num_lookup_steps: int = 0    # steps whose drafts were copied by prompt lookup
     num_guard_pauses: int = 0    # times the guard paused drafting (engine.guard)
     num_free_declined: int = 0   # free drafts the guard priced out of a step (engine.guard)
@@ -60,8 +63,8 @@ class GenerationStats:
                     total.wall_time_s = max(total.wall_time_s, value)
                 elif f.name == "lossy":
                     total.lossy = total.lossy or value
-                elif f.name == "batch_invariant":
-                    total.batch_invariant = all(p.batch_invariant for p in parts)
+                elif f.name in ("batch_invariant", "repeatable"):
+                    setattr(total, f.name, all(getattr(p, f.name) for p in parts))
                 else:
                     setattr(total, f.name, getattr(total, f.name) + value)
         return total
@@ -100,7 +103,8 @@ class GenerationStats:
             "mean_tokens_per_call": self.mean_tokens_per_call, "num_generated": self.num_generated,
             "wall_time_s": self.wall_time_s, "time_draft_s": self.time_draft_s,
             "time_target_s": self.time_target_s, "tokens_per_second": self.tokens_per_second,
-            "lossy": self.lossy, "batch_invariant": self.batch_invariant, "num_lookup_steps": self.num_lookup_steps,
+            "lossy": self.lossy, "batch_invariant": self.batch_invariant, "repeatable": self.repeatable,
+            "num_lookup_steps": self.num_lookup_steps,
             "num_guard_pauses": self.num_guard_pauses, "num_free_declined": self.num_free_declined,
             "num_batch_caps": self.num_batch_caps,
             "num_tree_branch_wins": self.num_tree_branch_wins,

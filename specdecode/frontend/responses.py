@@ -85,7 +85,7 @@ def speculation(stats) -> dict:
             "alpha_estimate": stats.alpha_estimate if stats.num_accepted + stats.num_rejected else None,
             "mean_tokens_per_call": stats.mean_tokens_per_call, "num_target_calls": stats.num_target_calls,
             "accepted_per_position": list(stats.accepted_per_position),
-            "batch_invariant": stats.batch_invariant}
+            "batch_invariant": stats.batch_invariant, "repeatable": stats.repeatable}
 
 
 def usage(prompt_tokens: int, completion: int) -> dict:

@@ -52,6 +52,9 @@ class DraftRow(Protocol):
     sampling: SamplingParams     # the request's adjustment (docs/exactness.md rule 1)
     generator: torch.Generator   # the request's randomness (rule 7)
     tokens: list[int]            # the committed sequence: prompt + emitted tokens (read-only)
+    race_seed: int | None        # sampled rows under verification="drafter-invariant": the target
+                                 # samples position t by sampling.race with race_noise(race_seed, t);
+                                 # a draft sampling the same way is accepted far more often
     # and `pipeline`: the request's specdecode.processors.LogitsPipeline or None (rule 9). A
     # proposer that samples from model logits should apply it (with prefix committed + its drafts
     # so far) for acceptance; exactness only needs q to be what the draft was sampled from.

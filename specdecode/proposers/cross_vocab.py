@@ -77,6 +77,7 @@ class _DraftSide:
     sampling: SamplingParams
     generator: torch.Generator
     pipeline: object = None
+    race_seed: None = None  # the target's race noise is indexed by its own ids: not shared here
 
 
 class CrossVocabProposer(DraftModelProposer):

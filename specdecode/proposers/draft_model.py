@@ -10,7 +10,7 @@ import torch
 
 from specdecode.proposers import tree
 from specdecode.proposers.base import Draft, DraftRow, no_draft
-from specdecode.sampling import adjust, first_argmax, sample
+from specdecode.sampling import adjust, first_argmax, race, race_noise, sample
 
 
 @dataclass
@@ -194,7 +194,12 @@ class DraftModelProposer:
                 p.k = j
                 return
         q = adjust(scores, row.sampling)
-        token = int(first_argmax(q)) if row.sampling.greedy else int(sample(q, row.generator))
+        if row.sampling.greedy:
+            token = int(first_argmax(q))
+        elif row.race_seed is not None:  # the target's noise at this position: the two races agree often
+            token = int(race(q, race_noise(row.race_seed, len(row.tokens) + len(p.tokens), q.shape[-1]).to(q.device)))
+        else:
+            token = int(sample(q, row.generator))
         confidence = None
         if self.confidence_threshold or p.tree:
             confidence = float(torch.softmax(logits, -1)[token])
