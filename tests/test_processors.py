@@ -9,7 +9,6 @@ import pytest
 import torch
 from transformers import (LogitsProcessorList, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor)
 
-from specdecode import processors
 from specdecode.engine.driver import run
 from specdecode.engine.request import DecodeConfig
 from specdecode.models import HFCausalLM, TableModel

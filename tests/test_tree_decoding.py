@@ -2,7 +2,6 @@
 greedy output is plain greedy's, and the caches stay right when a side branch wins."""
 
 import pytest
-import torch
 
 from specdecode.engine.driver import run, run_all
 from specdecode.engine.request import DecodeConfig, Request

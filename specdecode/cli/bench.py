@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
                        help="also run LOSSY lenient verification (paper A.5) at γ = 4 for each l in (0, 1) "
                             "(e.g. 0.5 0.3 0.1); reported beside the exact runs, never as a speedup of exact decoding")
     bench.add_argument("--compare-verification", action="store_true",
-                       help="also run the configured decoder with the other --verification rule, and each γ of "
+                       help="also run the configured decoder with each other --verification rule, and each γ of "
                             "the sweep with block verification (Sun et al. 2024), beside the token-wise rows")
     bench.add_argument("--tree-widths", type=int, nargs="*", default=[], metavar="W",
                        help="also run the configured decoder drafting token trees of these widths (e.g. 2 3)")

@@ -50,7 +50,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verification", choices=get_args(options.Verification), default=DEFAULTS.verification,
                         help="token: verify drafts one by one (paper §2.3); block: verify each drafted block "
                              "jointly (Sun et al. 2024), exact too and never fewer accepted drafts in "
-                             "expectation, the same output when greedy; lenience < 1 needs token "
+                             "expectation, the same output when greedy; drafter-invariant: an exponential race "
+                             "keyed by --seed and position, exact too, so a seeded sampled request gives the same "
+                             "tokens with or without drafts (Daliri et al. 2024); lenience < 1 needs token "
                              f"(default: {DEFAULTS.verification})")
     parser.add_argument("--tree-width", type=int, default=DEFAULTS.tree_width, metavar="W",
                         help="draft a token tree: up to W candidates at each position where the draft is unsure "

@@ -22,11 +22,12 @@ import dataclasses
 import re
 import statistics
 import time
-from typing import Callable
+from typing import Callable, get_args
 
 import torch
 
 from specdecode.analysis import expected_tokens, optimal_gamma, walltime_improvement
+from specdecode.config import Verification
 from specdecode.measure.batch_bench import batch_throughput
 from specdecode.engine.driver import run
 from specdecode.engine.request import DecodeConfig
@@ -110,7 +111,7 @@ def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: li
         a label, the first of hf_drafts (default: {"ours": the decoder's own draft model object}).
     lenience: values l < 1 add LOSSY runs (paper A.5) at γ = LENIENCE_GAMMA.
     headline: skip our plain decoding and prompt lookup alone (they cost a target-alone run each).
-    compare_verification: also run the configured decoder with the other verification rule, and
+    compare_verification: also run the configured decoder with each other verification rule, and
         each γ of the sweep with block verification (the sweep itself is token-wise: Thm 3.8's
         theory beside it assumes that rule).
     tree_widths: also run the configured decoder drafting token trees of each of these widths.
@@ -136,11 +137,11 @@ def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: li
                                                       gamma_schedule=decoder.gamma_schedule,
                                                       verification=decoder.verification)
     if compare_verification and draft is not None:
-        other = "block" if decoder.verification == "token" else "token"
-        configs[f"specdecode as configured, {other} verification"] = _our_runner(
-            target, lambda: decoder.proposer(draft), decoder.num_speculative_tokens, new_tokens, sampling,
-            decoder.guard_costs if sampling.greedy else None, gamma_schedule=decoder.gamma_schedule,
-            verification=other)
+        for other in (rule for rule in get_args(Verification) if rule != decoder.verification):
+            configs[f"specdecode as configured, {other} verification"] = _our_runner(
+                target, lambda: decoder.proposer(draft), decoder.num_speculative_tokens, new_tokens, sampling,
+                decoder.guard_costs if sampling.greedy else None, gamma_schedule=decoder.gamma_schedule,
+                verification=other)
         for g in gammas:
             configs[f"specdecode γ={g}, block verification"] = _our_runner(
                 target, lambda: DraftModelProposer(draft), g, new_tokens, sampling, verification="block")

@@ -15,8 +15,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
+if TYPE_CHECKING:
+    import torch
 
 ProgressFn = Callable[[str], None]
 
