@@ -407,6 +407,10 @@ def test_the_guard_stays_out_of_seeded_sampling_and_lenient_greedy(model_dirs):
     assert decoder.config(8, seeded).costs is None
     assert decoder.config(8, greedy, lenience=0.5).costs is None
     assert SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], guard=False).guard_costs is None
+    # drafter-invariant: a seeded request's tokens do not depend on when drafting pauses
+    invariant = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float32", guard_costs=(0.1, 0.0),
+                                   verification="drafter-invariant")
+    assert invariant.config(8, seeded).costs == (0.1, 0.0)
 
 
 def test_lenience_without_a_draft_is_not_lossy(model_dirs):

@@ -329,7 +329,7 @@ def test_an_invalid_schema_or_grammar_exits_2_with_the_engines_message(model_dir
     (["generate", "x", "--temperature", "abc"], "--temperature"),
     (["generate", "x", "--dtype", "bf16"], "--dtype"),
     (["generate", "x", "--logprobs", "30", "--json"], "--logprobs"),
-    (["batch", "in.jsonl", "--output", "out.jsonl", "--seed", "-3"], "--seed"),
+    (["batch", "in.jsonl", "--output", "out.jsonl", "--seed", str(2**64)], "--seed"),
 ])
 def test_a_usage_error_is_one_line_naming_the_command_and_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit, match="^2$"):

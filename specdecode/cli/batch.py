@@ -65,8 +65,13 @@ def run(args, parser) -> int:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.seed is not None and args.seed < 0:
-        parser.error(f"--seed must be >= 0, got {args.seed}")
+    if args.seed is not None:
+        from specdecode.sampling import SamplingParams
+
+        try:
+            SamplingParams(seed=args.seed)  # the one seed rule, as generate and the library apply it
+        except ValueError as err:
+            parser.error(f"--{err}")
     if args.cpus_per_worker is not None and args.cpus_per_worker <= 0:
         parser.error(f"--cpus-per-worker must be > 0, got {args.cpus_per_worker}")
     if any(not s for s in args.stop):

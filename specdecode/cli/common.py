@@ -115,8 +115,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                              "repetition_penalty and no_repeat_ngram_size apply, exactly; other values it sets "
                              "are named in a warning and not applied)")
     parser.add_argument("--threads", "-t", type=int, default=None, metavar="N",
-                        help="CPU threads for torch and llama.cpp (default: torch's, one per core); the choice of "
-                             "kernels is timed and cached per thread count")
+                        help="CPU threads for torch and llama.cpp (default: torch's, one per core); on the "
+                             "batch-invariant kernels the most: fewer run while other processes keep cores busy "
+                             "(the same tokens); the choice of kernels is timed and cached per thread count")
     parser.add_argument("--max-model-len", "-c", type=int, default=None, metavar="N",
                         help="the most tokens a request may hold, prompt and output together (default: the "
                              "target's context window): longer prompts are refused, outputs stop there")

@@ -37,6 +37,7 @@ from specdecode.engine.policy import GammaPolicy
 from specdecode.engine.request import (ACCEPTED, BONUS, CORRECTED, TARGET, DecodeConfig, GenerationResult,
                                        Request, TokenEvent, TokenLogprob)
 from specdecode.engine.stats import GenerationStats
+from specdecode.engine.threads import ThreadGovernor
 from specdecode.processors import LogitsPipeline, build_pipeline
 from specdecode.proposers.base import Draft, no_draft, proposer_reads
 from specdecode.sampling import (SamplingParams, adjust, first_argmax, make_generator, race, race_noise, race_seed,
@@ -253,13 +254,16 @@ class Engine:
             next step); one more target call per request.
         clock: seconds, monotonic (time.perf_counter); the step timings (statistics, the batch
             guard) and each request's wall time read it. Tests pass one they move by hand.
+        threads: a ThreadGovernor ticked before every step, None for none, or "auto": one where
+            the target is batch-invariant (its bits do not depend on the thread count), so the
+            compute runs on fewer threads while other processes keep the cores busy.
     Raises:
         ValueError: max_batch_size < 1.
     """
 
     def __init__(self, target, proposer=None, tokenizer=None, max_batch_size: int | None = None,
                  batch_guard: bool = False, first_step_plain: bool = False,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, threads: ThreadGovernor | None | str = "auto"):
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size!r}")
         self.target, self.proposer, self.tokenizer = target, proposer, tokenizer
@@ -272,6 +276,9 @@ class Engine:
         self.cost = BatchCostModel() if batch_guard and proposer is not None else None
         self.first_step_plain = first_step_plain
         self.clock = clock
+        # fewer threads while other processes keep cores busy, only where that changes no bit
+        self.threads = (ThreadGovernor() if getattr(target, "batch_invariant", False) else None) \
+            if threads == "auto" else threads
         target.reset()
 
     @property
@@ -330,6 +337,8 @@ class Engine:
             what a row's logits pipeline or a backend raises; the caches may then hold half the
             step: reset() before the next (culprit() first names the request at fault, if one is).
         """
+        if self.threads is not None:
+            self.threads.tick()
         scored = self._admit()
         outputs = {row.request_id: StepOutput(row.request_id, []) for row in self.running}
         for row in scored:  # their first output carries the prompt's logprobs

@@ -1,4 +1,5 @@
-"""Handing torch's compute to another thread without making it slower.
+"""Running torch's compute well: on another thread without making it slower, and on fewer threads
+while other processes keep the cores busy.
 
 torch's CPU kernels run on OpenMP (libgomp in the PyPI wheels). Every thread that runs a parallel
 region keeps a pool of OpenMP worker threads alive afterwards. When the threads that libgomp
@@ -8,13 +9,21 @@ parallel region pays a sleep/wake: after the models are loaded on the main threa
 (2-core EPYC, torch 2.13), and a speculative server step 400 ms against 270 ms. Freeing the loading
 thread's pool (OpenMP 5.0's `omp_pause_resource_all`, which frees the calling thread's pool) before
 the compute thread starts brings the new thread back to 144 us.
+
+The same barriers make a parallel region as slow as its slowest thread: beside two CPU-bound
+processes on that 2-core machine, the default pair (batch-invariant bfloat16 target, int4 draft)
+decoded 13.6 tokens/s on two threads and 28 on one (idle: 53-74 on two, 40-47 on one; one process
+each, interleaved). ThreadGovernor runs the compute on the cores the others leave.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
+import time
+from typing import Callable
 
 import torch
 
@@ -81,3 +90,85 @@ class ComputeThread(threading.Thread):
     def run(self) -> None:
         torch.set_num_threads(self._torch_threads)
         self._compute()
+
+
+def busy_seconds(cpus: set[int] | None = None) -> float | None:
+    """CPU seconds the machine has spent busy since boot (/proc/stat: user, nice, system, irq,
+    softirq and steal, the hypervisor's share), over these CPUs (None: all); None where /proc/stat
+    is missing."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            lines = [line.split() for line in f if line.startswith("cpu")]
+    except OSError:
+        return None
+    if cpus is None:
+        lines = lines[:1]  # the first line sums every CPU
+    else:
+        lines = [line for line in lines[1:] if line[0][3:].isdigit() and int(line[0][3:]) in cpus]
+    try:
+        ticks = [sum(int(x) for x in line[1:9]) - int(line[4]) - (int(line[5]) if len(line) > 5 else 0)
+                 for line in lines]  # less idle and iowait
+    except (ValueError, IndexError):
+        return None
+    return sum(ticks) / os.sysconf("SC_CLK_TCK") if ticks else None
+
+
+def own_seconds() -> float:
+    """CPU seconds this process (and its waited-for children) has used."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class OthersMeter:
+    """Cores of this process's CPU set that other processes kept busy, on average, since the last
+    read (the first read: since construction); 0.0 where /proc/stat is missing."""
+
+    def __init__(self):
+        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        self._last = busy_seconds(self.cpus), own_seconds(), time.monotonic()
+
+    def __call__(self) -> float:
+        now = busy_seconds(self.cpus), own_seconds(), time.monotonic()
+        last, self._last = self._last, now
+        if now[0] is None or last[0] is None or now[2] <= last[2]:
+            return 0.0
+        return max(0.0, ((now[0] - last[0]) - (now[1] - last[1])) / (now[2] - last[2]))
+
+
+class ThreadGovernor:
+    """Compute on the cores other processes leave free: every `interval` seconds (read at tick(),
+    between engine steps, on the compute thread) the torch thread count becomes the cores of this
+    process's CPU set less those others kept busy since the last look, rounded, within
+    [1, max_threads]. Use it only where the kernels' bits do not depend on the thread count (the
+    batch-invariant ones: threads split output columns, never a sum), so the tokens never change.
+
+    Args:
+        max_threads: the cap (default: torch's thread count now, which `--threads` sets).
+        cores: the CPUs this process may run on (default: its affinity set's size).
+        interval: seconds between looks.
+        others: a callable giving the cores others kept busy since its last call (default: an
+            OthersMeter); tests pass their own.
+        clock: seconds, monotonic.
+    Attributes:
+        changes: how many times the thread count changed.
+    """
+
+    def __init__(self, max_threads: int | None = None, cores: int | None = None, interval: float = 1.0,
+                 others: Callable[[], float] | None = None, clock: Callable[[], float] = time.monotonic):
+        self.max_threads = max_threads or torch.get_num_threads()
+        self.cores = cores or len(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1))
+        self.interval, self.clock = interval, clock
+        self.others = others or OthersMeter()
+        self.changes = 0
+        self._last_look = clock()
+
+    def tick(self) -> None:
+        now = self.clock()
+        if now - self._last_look < self.interval:
+            return
+        self._last_look = now
+        want = max(1, min(self.max_threads, round(self.cores - self.others())))
+        if want != torch.get_num_threads():
+            log.debug("compute threads %d -> %d (other processes' load)", torch.get_num_threads(), want)
+            torch.set_num_threads(want)
+            self.changes += 1

@@ -294,13 +294,16 @@ class RequestBuilder:
                             gamma_schedule=self.decoder.gamma_schedule, verification=self.decoder.verification, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, logits_processors=tuple(processors), grammar=compiled)
 
-    @staticmethod
-    def guarded(sampling: SamplingParams, lenience: float) -> bool:
+    def guarded(self, sampling: SamplingParams, lenience: float) -> bool:
         """Whether the guard may pause this request's drafting. A seeded sampled request must give
         the same output alone, in a batch and in another process (which measures its own c): not
-        guarded. Exact greedy output does not depend on when drafting pauses (up to bf16
-        near-ties); lenient greedy does (a paused step emits the argmax): not guarded either."""
-        return lenience == 1 if sampling.greedy else sampling.seed is None
+        guarded under the paper's rule, whose random numbers follow the drafts; guarded under
+        drafter-invariant verification, whose tokens do not. Exact greedy output does not depend on
+        when drafting pauses (up to bf16 near-ties); lenient greedy does (a paused step emits the
+        argmax): not guarded either."""
+        if sampling.greedy:
+            return lenience == 1
+        return sampling.seed is None or self.decoder.verification == "drafter-invariant"
 
     # --- wire bodies -----------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from specdecode.engine.threads import busy_seconds, own_seconds
 from specdecode.models import kernels
 
 # The flags that decide which kernels run (x86 and ARM names as /proc/cpuinfo spells them).
@@ -43,7 +44,7 @@ class CpuWatch:
     others_cores = 0.0
 
     def __enter__(self) -> "CpuWatch":
-        self._start = _machine_busy_seconds(), _own_seconds(), time.monotonic()
+        self._start = busy_seconds(), own_seconds(), time.monotonic()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -51,7 +52,7 @@ class CpuWatch:
 
     def so_far(self) -> float:
         """Cores other processes kept busy, on average, from entry until now."""
-        machine, own, wall = _machine_busy_seconds(), _own_seconds(), time.monotonic()
+        machine, own, wall = busy_seconds(), own_seconds(), time.monotonic()
         if machine is None or self._start[0] is None or wall <= self._start[2]:
             return 0.0
         return max(0.0, ((machine - self._start[0]) - (own - self._start[1])) / (wall - self._start[2]))
@@ -74,22 +75,7 @@ def idle_now(seconds: float = 0.5) -> bool:
 
 def has_cpu_counters() -> bool:
     """Whether CpuWatch can see other processes here (Linux's /proc/stat)."""
-    return _machine_busy_seconds() is not None
-
-
-def _machine_busy_seconds() -> float | None:
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
-    return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_seconds() -> float:
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return busy_seconds() is not None
 
 
 def _cpuinfo() -> tuple[str, set[str]]:
