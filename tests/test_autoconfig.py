@@ -256,6 +256,21 @@ def test_the_prior_decides_the_default_pair_on_its_class_without_timing_or_cachi
                     {"emulated": {"ATEN_CPU_CAPABILITY": "avx2"}}):
         monkeypatch.setattr(prior, "cpu_report", lambda: dict(zen4_class, **changed))
         assert prior.prior_choice(DecoderConfig(), targets, kinds) is None, changed
+    # each miss says why, and the start says it before timing
+    assert "(ATEN_CPU_CAPABILITY set)" in prior.prior_gap(DecoderConfig(), targets, kinds)
+    monkeypatch.setattr(prior, "cpu_report", lambda: dict(zen4_class, flags=zen4_class["flags"] + ["amx_tile"]))
+    assert "AMX" in prior.prior_gap(DecoderConfig(), targets, kinds)
+    monkeypatch.setattr(prior, "cpu_report", lambda: dict(zen4_class, threads=8))
+    assert "2 threads, not 8" in prior.prior_gap(DecoderConfig(), targets, kinds)
+    assert "dtype 'auto'" in prior.prior_gap(DecoderConfig(dtype="bfloat16"), targets, kinds)
+    assert "γ = 8, not 12" in prior.prior_gap(DecoderConfig(num_speculative_tokens=12), targets, kinds)
+    cache_dir = cache / "choices"
+    for stale in cache_dir.glob("*.json"):
+        stale.unlink()
+    lines = []
+    tune.plan(DecoderConfig(), lines.append)
+    assert any(line.startswith("no measured prior for this machine (it was measured on 2 threads, not 8)")
+               for line in lines), lines
 
 
 def test_a_file_candidate_that_cannot_be_made_is_skipped_where_others_were_timed(model_dirs, timed_when_tiny):

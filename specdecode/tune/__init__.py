@@ -28,7 +28,7 @@ from specdecode.tune import cache
 from specdecode.tune.candidates import Loaders, measure_and_choose
 from specdecode.tune.costs import Choice
 from specdecode.tune.hardware import CpuWatch, cpu_report, describe, idle_now, native_bfloat16
-from specdecode.tune.prior import prior_choice
+from specdecode.tune.prior import prior_choice, prior_gap
 from specdecode.tune.timing import guard_costs
 
 __all__ = ["Plan", "plan", "guard_costs"]
@@ -92,6 +92,8 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None, m
     targets, kinds = candidates_of(config, quantization)
     key = _key(config, targets + kinds)
     choice = None if measure_now else cache.load_choice(key) or prior_choice(config, targets, kinds)
+    if choice is None and not measure_now and progress:
+        progress(f"no measured prior for this machine ({prior_gap(config, targets, kinds)}): timing the candidates")
     if choice is not None and choice.provisional and idle_now():
         if progress:
             progress("the cached choice was timed beside other work and the machine is idle now: timing again")

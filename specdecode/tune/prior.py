@@ -35,7 +35,8 @@ NOTE = ("the prior for CPUs with AVX-512 BF16 and no AMX (the default pair measu
 
 
 def prior_choice(config: DecoderConfig, targets: tuple[str, ...], kinds: tuple[str, ...]) -> Choice | None:
-    """The prior's Choice for this config, or None where it does not cover it (then time).
+    """The prior's Choice for this config, or None where it does not cover it (then time;
+    prior_gap says why).
 
     Args:
         config: the decoder's options (dtype "auto", the zoo's default pair by name, the draft's
@@ -43,18 +44,33 @@ def prior_choice(config: DecoderConfig, targets: tuple[str, ...], kinds: tuple[s
         targets, kinds: the candidates this config would time (tune.candidates_of): the prior's
             kernels must be among them.
     """
-    if config.dtype != "auto" or model_names(config) != (zoo.DEFAULT_TARGET, zoo.DEFAULT_DRAFT) \
-            or config.draft_vocab_limit != "auto":
-        return None
-    # measured up to γ_max = 8 (r(9)): a larger γ_max prices verifies it has not seen
-    if TargetKernel.BFLOAT16_INVARIANT.value not in targets or "int4" not in kinds \
-            or config.num_speculative_tokens > 8:
-        return None
-    report = cpu_report()
-    # the machine as it is: not acting as an older one (emulation variables), 2 threads as measured
-    if "avx512_bf16" not in report["flags"] or any(flag.startswith("amx") for flag in report["flags"]) \
-            or report["emulated"] or not report["native_bfloat16"] or report["threads"] != 2 \
-            or not native.available() or native.isa() != "avx512-bf16":
+    if prior_gap(config, targets, kinds) is not None:
         return None
     choice = choose(TARGETS, DRAFTS, max_gamma=config.num_speculative_tokens)
     return dataclasses.replace(choice, notes=(NOTE,), prior=True)
+
+
+def prior_gap(config: DecoderConfig, targets: tuple[str, ...], kinds: tuple[str, ...]) -> str | None:
+    """Why the prior does not cover this config on this machine (a phrase for the progress line),
+    or None where it does."""
+    if config.dtype != "auto" or model_names(config) != (zoo.DEFAULT_TARGET, zoo.DEFAULT_DRAFT) \
+            or config.draft_vocab_limit != "auto":
+        return "it covers the default pair with dtype 'auto' only"
+    # measured up to γ_max = 8 (r(9)): a larger γ_max prices verifies it has not seen
+    if config.num_speculative_tokens > 8:
+        return f"it was measured up to γ = 8, not {config.num_speculative_tokens}"
+    if TargetKernel.BFLOAT16_INVARIANT.value not in targets or "int4" not in kinds:
+        return "its kernels (the batch-invariant target, the int4 draft) are not candidates here"
+    report = cpu_report()
+    # the machine as it is: not acting as an older one (emulation variables), 2 threads as measured
+    if any(flag.startswith("amx") for flag in report["flags"]):
+        return "it covers CPUs without AMX, whose products differ most from one machine to the next"
+    if "avx512_bf16" not in report["flags"] or not report["native_bfloat16"]:
+        return "it covers CPUs with AVX-512 BF16 only"
+    if report["emulated"]:
+        return f"this machine acts as another ({', '.join(report['emulated'])} set)"
+    if report["threads"] != 2:
+        return f"it was measured on 2 threads, not {report['threads']}"
+    if not native.available() or native.isa() != "avx512-bf16":
+        return "specdecode's kernels are not built for AVX-512 BF16 here"
+    return None
