@@ -51,5 +51,16 @@ def test_missing_part_package_names_what_to_install(fake_parts, monkeypatch):
         zoo.assemble_gguf(fake_model(fake_parts))
 
 
+def test_no_room_on_disk_says_so_before_writing(fake_parts, monkeypatch):
+    import collections
+    import shutil
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 100, 100))
+    with pytest.raises(OSError, match=r"not enough free space .* to assemble fake: it needs .* SPECDECODE_CACHE"):
+        zoo.assemble_gguf(fake_model(fake_parts))
+    assert list((zoo.cache_dir() / "gguf").iterdir()) == []
+
+
 def test_default_pair_is_pinned():
     assert zoo.ZOO[zoo.DEFAULT_TARGET].num_parts == 22 and zoo.ZOO[zoo.DEFAULT_DRAFT].num_parts == 6

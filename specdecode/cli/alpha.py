@@ -62,7 +62,7 @@ def run(args, parser) -> int:
         alpha_report(decoder, args.tasks, args.prompts, args.temperatures, gamma=args.num_speculative_tokens,
                      max_new_tokens=args.max_new_tokens, out=out, seed=args.seed,
                      lenience=tuple(args.lenience), progress=progress)
-    except (ValueError, FileNotFoundError, ImportError) as err:
+    except (ValueError, OSError, ImportError) as err:
         return error(err)
     print(Path(out + ".md").read_text(encoding="utf-8"))
     if progress:

@@ -96,7 +96,7 @@ def run(args, parser) -> int:
                      hf_drafts=hf_drafts, lenience=args.lenience, batch_sizes=args.batch_size,
                      headline=args.headline, compare_verification=args.compare_verification,
                      tree_widths=args.tree_widths, progress=None if args.quiet else _bar())
-    except (ValueError, FileNotFoundError, ImportError) as err:
+    except (ValueError, OSError, ImportError) as err:
         return error(err)
     print(Path(out + ".md").read_text(encoding="utf-8"))
     if progress:

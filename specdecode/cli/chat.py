@@ -42,7 +42,7 @@ def run(args, parser) -> int:
         decoder = build_decoder(config, stderr_progress(args))
         start = [{"role": "system", "content": args.system}] if args.system else []
         decoder.requests.chat_ids(start + [{"role": "user", "content": "hi"}])  # no template: say so now
-    except (ValueError, FileNotFoundError, ImportError) as err:
+    except (ValueError, OSError, ImportError) as err:
         return error(err)
     colour = sys.stdout.isatty() and not args.no_color
     interactive = sys.stdin.isatty()

@@ -106,7 +106,7 @@ def run(args, parser) -> int:
             stream = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                       stop=args.stop, stream=True, chat=chat, lenience=args.lenience, **extra)
             results = [_print_stream(stream, args)]
-    except (ValueError, FileNotFoundError, ImportError) as err:
+    except (ValueError, OSError, ImportError) as err:
         return error(err)
     batch = isinstance(prompt, list)
     configuration = decoder.configuration() if args.json else None

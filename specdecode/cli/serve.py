@@ -73,7 +73,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     progress = stderr_progress(args)
     try:
         decoder = build_decoder(config, progress)
-    except (ValueError, FileNotFoundError, ImportError) as err:
+    except (ValueError, OSError, ImportError) as err:
         return error(err)
     name = served_name(args)
     app = create_app(decoder, model_name=name, **app_options(args))

@@ -109,12 +109,23 @@ def packaged_gguf(model: ZooModel) -> Path:
     return path
 
 
+def room_for(directory: Path, size: int, what: str) -> str | None:
+    """None where `directory`'s disk has `size` bytes free (and 5% to spare), else a line saying
+    what does not fit, how much is free and how to put the cache elsewhere."""
+    free = shutil.disk_usage(directory).free
+    if free >= size * 1.05:
+        return None
+    return (f"not enough free space in {directory} to {what}: it needs {size / 1e9:.1f} GB, {free / 1e9:.1f} GB "
+            "is free (free some, or set SPECDECODE_CACHE to a folder on another disk)")
+
+
 def assemble_gguf(model: ZooModel, progress: ProgressFn | None = None) -> Path:
     """Concatenate the parts into one GGUF file (atomically) and check its size and SHA-256.
 
     Returns the path of the verified file; an existing file of the right size is reused.
     Raises:
         FileNotFoundError: parts missing.  ValueError: the assembled file fails its hash check.
+        OSError: no room for it on the cache's disk (checked before anything is written).
     """
     out_dir = cache_dir() / "gguf"
     target = out_dir / model.gguf_name
@@ -122,6 +133,8 @@ def assemble_gguf(model: ZooModel, progress: ProgressFn | None = None) -> Path:
         return target
     parts = part_paths(model)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if (no_room := room_for(out_dir, model.gguf_bytes, f"assemble {model.name}")) is not None:
+        raise OSError(no_room)
     digest = hashlib.sha256()
     # Write through a temporary file in the same directory so that a crash never leaves a
     # half-written GGUF under the final name.
@@ -220,6 +233,11 @@ def load_zoo_model(name: str, dtype: torch.dtype, progress: ProgressFn | None = 
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     cached.parent.mkdir(parents=True, exist_ok=True)
+    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    if (no_room := room_for(cached.parent, size, f"cache {name}'s {_dtype_name(dtype)} weights")) is not None:
+        if progress:  # a cache we cannot write only costs speed on the next run
+            progress(f"warning: {no_room}; the next start dequantizes again")
+        return model.eval(), tokenizer
     tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=cached.name, suffix=".partial"))
     try:
         model.save_pretrained(tmp)
