@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from specdecode import native
+from specdecode.models import memory
 from specdecode.models.lean import supports
 from specdecode.models.quant import Int4Linear
 
@@ -114,6 +115,8 @@ def _fused(linears: list, share: bool):
         start = 0
         for layer in linears:
             rows = layer.weight.shape[0]
+            # a weight transformers mapped from a safetensors file: the pages the copy read go back
+            memory.drop_file_pages(layer.weight.detach())
             layer.weight = torch.nn.Parameter(weight[start:start + rows], requires_grad=False)
             start += rows
     return _Bfloat16(weight, bias)
