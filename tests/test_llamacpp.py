@@ -364,6 +364,11 @@ def test_a_seeded_request_repeats_alone_and_inside_a_batch(files):
     batch = run_all(target, DraftModelProposer(draft), [others[0], Request(PROMPTS[0], sampled), *others[1:]])
     assert batch[1].token_ids == alone
     assert len({tuple(r.token_ids) for r in batch}) == len(batch)
+    # llama.cpp rounds a row by the call it is in: no request here carries the promise that its
+    # tokens do not depend on what runs beside it, and each result says so
+    invariant = DecodeConfig(24, SamplingParams(temperature=0.9, seed=123), 3, verification="drafter-invariant")
+    for result in (*batch, run(target, DraftModelProposer(draft), PROMPTS[0], invariant)):
+        assert result.stats.batch_invariant is False and result.stats.repeatable is False
 
 
 # --- the output distribution ------------------------------------------------------------------------------
