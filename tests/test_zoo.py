@@ -64,3 +64,12 @@ def test_no_room_on_disk_says_so_before_writing(fake_parts, monkeypatch):
 
 def test_default_pair_is_pinned():
     assert zoo.ZOO[zoo.DEFAULT_TARGET].num_parts == 22 and zoo.ZOO[zoo.DEFAULT_DRAFT].num_parts == 6
+
+
+def test_transformers_bars_and_warnings_are_off_inside_and_restored_after():
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    with zoo._quiet_transformers():
+        assert not hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() == hf_logging.ERROR
+    assert hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() == verbosity

@@ -8,6 +8,7 @@ later loads read the safetensors cache (a few seconds).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -201,8 +202,9 @@ def load_zoo_model(name: str, dtype: torch.dtype, progress: ProgressFn | None = 
             progress(f"loading {name} ({_dtype_name(dtype)}) from cache")
         placement = {key: value for key, value in (("device_map", device_map), ("offload_folder", offload_folder))
                      if value is not None}
-        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, **placement)
-        tokenizer = AutoTokenizer.from_pretrained(cached)
+        with _quiet_transformers():  # our progress line says it; its bar would draw under it
+            model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, **placement)
+            tokenizer = AutoTokenizer.from_pretrained(cached)
         model.generation_config.eos_token_id = list(model_info.eos_token_ids)
         return model.eval(), tokenizer
     if device_map is not None:  # GGUF loading does not place: build the cache, then load it placed
@@ -213,19 +215,13 @@ def load_zoo_model(name: str, dtype: torch.dtype, progress: ProgressFn | None = 
     gguf = gguf_file(name, progress)
     if progress:
         progress(f"loading {name} from GGUF (dequantizing to {_dtype_name(dtype)}, first run only)")
-    from transformers.utils import logging as hf_logging
-
-    # transformers warns that packed GGUF weights run fastest in float32; we dequantize once and
-    # cache, so the warning does not apply.
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
+    # (quiet: transformers warns that packed GGUF weights run fastest in float32; we dequantize once
+    # and cache, so the warning does not apply)
+    with _quiet_transformers():
         # ours: one tensor at a time (transformers' own passes the whole model through float32)
         model = dequantized_model(gguf, dtype) \
             or AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    finally:
-        hf_logging.set_verbosity(verbosity)
     model.generation_config.eos_token_id = list(model_info.eos_token_ids)
     # transformers refuses to save a GGUF-loaded model while it still carries the quantizer;
     # the weights are already dequantized, so dropping it is safe.
@@ -240,11 +236,28 @@ def load_zoo_model(name: str, dtype: torch.dtype, progress: ProgressFn | None = 
         return model.eval(), tokenizer
     tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=cached.name, suffix=".partial"))
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        with _quiet_transformers():
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
         os.replace(tmp, cached)
     except OSError as err:  # a cache we cannot write only costs speed on the next run
         shutil.rmtree(tmp, ignore_errors=True)
         if progress:
             progress(f"warning: could not cache {name} in {cached}: {err}")
     return model.eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' warnings and progress bars off inside (the steps our progress lines name)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
