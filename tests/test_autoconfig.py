@@ -289,3 +289,16 @@ def test_a_file_candidate_that_cannot_be_made_is_skipped_where_others_were_timed
     assert any("llama.cpp-bf16 not timed" in line and "no room" in line for line in lines)
     with pytest.raises(ValueError, match="no room"):
         candidates.measure_and_choose(loaders, ("llama.cpp-bf16",), ("int4",), 4)
+
+
+def test_drafter_invariant_verification_times_only_batch_invariant_targets(monkeypatch):
+    """Its promise (seeded tokens that depend neither on drafts nor on other requests) holds only on
+    a batch-invariant target, with a draft or without: dtype="auto" then times those alone."""
+    monkeypatch.setattr(tune, "_invariant_candidate", lambda config, device: True)
+    for draft in ("default", None):
+        every, _ = tune.candidates_of(DecoderConfig(draft=draft), "int4")
+        assert "bfloat16" in every and "bfloat16-invariant" in every
+        only, _ = tune.candidates_of(DecoderConfig(draft=draft, verification="drafter-invariant"), "int4")
+        assert only == ("bfloat16-invariant",)
+    monkeypatch.setattr(tune, "_invariant_candidate", lambda config, device: False)  # no kernels here: as before
+    assert "bfloat16" in tune.candidates_of(DecoderConfig(verification="drafter-invariant"), "int4")[0]

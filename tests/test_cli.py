@@ -390,3 +390,24 @@ def test_chat_without_a_chat_template_exits_2_with_one_line(chat_model_dirs, mon
     assert main(["chat", "--target", chat_model_dirs["plain"], "--draft", "none", "--dtype", "float32"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) >= 1 and "chat template" in err[-1]
+
+
+def test_more_threads_than_cpus_run_as_many_as_there_are(capsys):
+    import argparse
+    import os
+
+    import torch
+
+    from specdecode.cli.common import add_model_flags, decoder_config
+
+    parser = argparse.ArgumentParser(prog="specdecode generate")
+    add_model_flags(parser)
+    before = torch.get_num_threads()
+    try:
+        decoder_config(parser.parse_args(["--threads", "999"]), parser)
+        cpus = len(os.sched_getaffinity(0))
+        assert torch.get_num_threads() == cpus
+        assert f"--threads 999 is more than the {cpus} CPUs this process may use: running {cpus}" in \
+            capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)

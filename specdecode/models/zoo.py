@@ -116,8 +116,11 @@ def room_for(directory: Path, size: int, what: str) -> str | None:
     free = shutil.disk_usage(directory).free
     if free >= size * 1.05:
         return None
-    return (f"not enough free space in {directory} to {what}: it needs {size / 1e9:.1f} GB, {free / 1e9:.1f} GB "
-            "is free (free some, or set SPECDECODE_CACHE to a folder on another disk)")
+    def amount(n: int) -> str:
+        return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"
+
+    return (f"not enough free space in {directory} to {what}: it needs {amount(size)}, {amount(free)} is free "
+            "(free some, or set SPECDECODE_CACHE to a folder on another disk)")
 
 
 def assemble_gguf(model: ZooModel, progress: ProgressFn | None = None) -> Path:

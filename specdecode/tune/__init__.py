@@ -198,6 +198,11 @@ def candidates_of(config: DecoderConfig, quantization: str) -> tuple[tuple[str, 
         llama_kernels = (TargetKernel.LLAMA_BF16.value,) if llama and has_gguf(target) and config.tree_width == 1 \
             and config.backend != "torch" else ()
         targets = torch_kernels + (llama_kernels if config.batch_invariant is not True else ())
+    # drafter-invariant verification asks for seeded tokens that depend neither on the drafts nor
+    # on what runs beside a request, which only a batch-invariant target keeps (also without a draft)
+    invariant = tuple(t for t in targets if TargetKernel(t).batch_invariant)
+    if config.verification == "drafter-invariant" and invariant:
+        targets = invariant
     kinds = () if draft is None else (quantization,) if config.quantize_draft != "auto" \
         or not isinstance(draft, str) else ("int4", "int8", "none") + (("gguf",) if llama and has_gguf(draft) else ())
     return targets, kinds
