@@ -164,10 +164,8 @@ def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch
             return 0, int(race(p[0], noise[0]))
         n, token = drafter_invariant_step(drafts[None], p[None], noise[None])
         return int(n), int(token)
-    if k > 0:
-        # Under greedy decoding (one-hot p and q) the block rule is the token-wise rule exactly
-        # (tests/test_block_verify.py), and the token-wise one is cheaper.
-        rule = block_step if config.verification == "block" and not config.sampling.greedy else speculative_step
+    if k > 0:  # (greedy returned above: there the block rule is the token-wise one, tests/test_block_verify.py)
+        rule = block_step if config.verification == "block" else speculative_step
         n, token = rule(drafts[None], draft_probs[None], p[None], generator, config.lenience)
         return int(n), int(token)
     return 0, int(sample(p[0], generator))
