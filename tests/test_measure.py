@@ -205,6 +205,8 @@ def test_bench_compare_verification_rows(pair_dirs, tmp_path):
     rows = {r["config"]: r for r in data["rows"]}
     assert set(rows) == {"transformers generate, target alone", "specdecode γ=2", "specdecode γ=2, block verification",
                          "specdecode as configured", "specdecode as configured, block verification",
+                         "specdecode as configured, drafter-invariant verification",
                          "specdecode as configured, tree width 2"}
-    # float32 greedy: the block rule and the tree emit the target's own greedy tokens too
+    # float32 greedy: the block rule, the race (argmax when greedy) and the tree emit the target's own
+    # greedy tokens too
     assert all(r["same_tokens_as_hf"] == 1 for r in data["rows"])
