@@ -116,11 +116,12 @@ def room_for(directory: Path, size: int, what: str) -> str | None:
     free = shutil.disk_usage(directory).free
     if free >= size * 1.05:
         return None
-    def amount(n: int) -> str:
-        return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"
-
-    return (f"not enough free space in {directory} to {what}: it needs {amount(size)}, {amount(free)} is free "
+    return (f"not enough free space in {directory} to {what}: it needs {_amount(size)}, {_amount(free)} is free "
             "(free some, or set SPECDECODE_CACHE to a folder on another disk)")
+
+
+def _amount(size: int) -> str:
+    return f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.0f} MB"
 
 
 def assemble_gguf(model: ZooModel, progress: ProgressFn | None = None) -> Path:
