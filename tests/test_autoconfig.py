@@ -248,7 +248,9 @@ def test_the_prior_decides_the_default_pair_on_its_class_without_timing_or_cachi
     targets, kinds = ("bfloat16", "bfloat16-invariant"), ("int4", "int8", "none")
     assert prior.prior_choice(DecoderConfig(), targets, kinds) is not None
     assert prior.prior_choice(DecoderConfig(dtype="bfloat16"), targets, kinds) is None
-    assert prior.prior_choice(DecoderConfig(draft="none"), targets, kinds) is None
+    plain = prior.prior_choice(DecoderConfig(draft=None), targets, ())  # the same target, plain decoding
+    assert plain.prior and plain.target_kernel == "bfloat16-invariant" and plain.draft_kernel is None
+    assert prior.prior_choice(DecoderConfig(draft="qwen2.5-coder-1.5b-instruct"), targets, kinds) is None
     assert prior.prior_choice(DecoderConfig(draft_vocab_limit=1000), targets, kinds) is None
     assert prior.prior_choice(DecoderConfig(), ("bfloat16",), kinds) is None  # batch_invariant=False
     assert prior.prior_choice(DecoderConfig(num_speculative_tokens=12), targets, kinds) is None  # r(13) unmeasured
@@ -262,7 +264,7 @@ def test_the_prior_decides_the_default_pair_on_its_class_without_timing_or_cachi
     assert "AMX" in prior.prior_gap(DecoderConfig(), targets, kinds)
     monkeypatch.setattr(prior, "cpu_report", lambda: dict(zen4_class, threads=8))
     assert "2 threads, not 8" in prior.prior_gap(DecoderConfig(), targets, kinds)
-    assert "dtype 'auto'" in prior.prior_gap(DecoderConfig(dtype="bfloat16"), targets, kinds)
+    assert "dtype 'auto' only" in prior.prior_gap(DecoderConfig(dtype="bfloat16"), targets, kinds)
     assert "γ = 8, not 12" in prior.prior_gap(DecoderConfig(num_speculative_tokens=12), targets, kinds)
     cache_dir = cache / "choices"
     for stale in cache_dir.glob("*.json"):

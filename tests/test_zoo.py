@@ -73,3 +73,17 @@ def test_transformers_bars_and_warnings_are_off_inside_and_restored_after():
     with zoo._quiet_transformers():
         assert not hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() == hf_logging.ERROR
     assert hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() == verbosity
+
+
+def test_a_zoo_model_neither_installed_nor_cached_is_named_before_any_work(fake_parts, monkeypatch):
+    from specdecode.models.loading import check_model_spec
+
+    monkeypatch.setitem(zoo.ZOO, "fake", fake_model(fake_parts))
+    check_model_spec("fake")  # its parts are installed
+    assembled = zoo.assemble_gguf(zoo.ZOO["fake"])
+    monkeypatch.delitem(sys.modules, "fakepart2")
+    monkeypatch.setattr(sys, "path", [])
+    check_model_spec("fake")  # a part is gone, but the file is assembled
+    assembled.unlink()
+    with pytest.raises(ValueError, match="fake-part2==1.0"):
+        check_model_spec("fake")

@@ -144,6 +144,8 @@ def _parse(args, parser):
             bias[int(token)] = float(value)
         except ValueError:
             parser.error(f"--logit-bias takes ID=BIAS (e.g. 151643=-100), got {item!r}")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.min_tokens > args.max_new_tokens:
         parser.error(f"--min-tokens ({args.min_tokens}) must be at most --max-new-tokens ({args.max_new_tokens})")
     try:
@@ -158,8 +160,6 @@ def _parse(args, parser):
         args.decoder_config.check_lenience(args.lenience)
     except ValueError as err:
         parser.error(as_flags(f"--{err}"))
-    if args.max_new_tokens < 1:
-        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if any(not s for s in args.stop):
         parser.error("--stop takes non-empty text")
     if (args.prompt is None) == (args.prompts_file is None):

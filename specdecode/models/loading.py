@@ -43,7 +43,13 @@ def check_model_spec(spec) -> None:
         ValueError: not a zoo name, not an existing directory, and (for a hub id) no local copy
             in the Hugging Face cache while the hub is unreachable.
     """
-    if isinstance(spec, torch.nn.Module) or spec in zoo.ZOO:
+    if isinstance(spec, torch.nn.Module):
+        return
+    if spec in zoo.ZOO:
+        try:
+            zoo.check_installed(spec)
+        except FileNotFoundError as err:
+            raise ValueError(str(err)) from None
         return
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"model must be a zoo name, a local path, a GGUF file or a hub id, got {spec!r}")

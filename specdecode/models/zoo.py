@@ -110,6 +110,23 @@ def packaged_gguf(model: ZooModel) -> Path:
     return path
 
 
+def check_installed(name: str) -> None:
+    """Raise FileNotFoundError (saying what to install) where a zoo model is neither installed nor
+    already assembled or cached here: before anything is timed or loaded.
+
+    Raises:
+        KeyError: unknown zoo name.  FileNotFoundError: see part_paths and packaged_gguf.
+    """
+    model = ZOO[name]
+    if model.package_file:
+        packaged_gguf(model)
+        return
+    assembled = cache_dir() / "gguf" / model.gguf_name
+    cached = any((folder / "config.json").exists() for folder in (cache_dir() / "safetensors").glob(f"{name}-*"))
+    if not cached and not (assembled.exists() and assembled.stat().st_size == model.gguf_bytes):
+        part_paths(model)
+
+
 def room_for(directory: Path, size: int, what: str) -> str | None:
     """None where `directory`'s disk has `size` bytes free (and 5% to spare), else a line saying
     what does not fit, how much is free and how to put the cache elsewhere."""

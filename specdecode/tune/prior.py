@@ -4,7 +4,8 @@ timing every candidate (a minute or more on 2 cores, several on a busy machine).
 
 The prior is a measurement, not a guess: the choice's own timings on the machine named in NOTE
 (the default pair's candidates, interleaved, on an idle machine), put through the same chooser
-(tune.costs.choose) with the decoder's γ_max. It covers one class, CPUs with AVX-512 BF16 and no
+(tune.costs.choose) with the decoder's γ_max; the default target without a draft takes the same
+target kernel. It covers one class, CPUs with AVX-512 BF16 and no
 AMX run with 2 threads (as measured; γ_max up to 8), where every measured machine chose the same
 configuration (an AMD EPYC Zen 4, and an Intel
 Xeon with AMX kept out: docs/results/native_kernels_zen4.md, vs_llamacpp_spr_noamx.md). Machines
@@ -46,20 +47,24 @@ def prior_choice(config: DecoderConfig, targets: tuple[str, ...], kinds: tuple[s
     """
     if prior_gap(config, targets, kinds) is not None:
         return None
-    choice = choose(TARGETS, DRAFTS, max_gamma=config.num_speculative_tokens)
+    # without a draft: plain decoding (and free drafts) on the same target, whose one-token step was
+    # within 10% of llama.cpp's on the same weights and whose verifies are cheaper (no BF16 file made)
+    choice = choose(TARGETS, DRAFTS if model_names(config)[1] is not None else {},
+                    max_gamma=config.num_speculative_tokens)
     return dataclasses.replace(choice, notes=(NOTE,), prior=True)
 
 
 def prior_gap(config: DecoderConfig, targets: tuple[str, ...], kinds: tuple[str, ...]) -> str | None:
     """Why the prior does not cover this config on this machine (a phrase for the progress line),
     or None where it does."""
-    if config.dtype != "auto" or model_names(config) != (zoo.DEFAULT_TARGET, zoo.DEFAULT_DRAFT) \
+    target, draft = model_names(config)
+    if config.dtype != "auto" or target != zoo.DEFAULT_TARGET or draft not in (zoo.DEFAULT_DRAFT, None) \
             or config.draft_vocab_limit != "auto":
-        return "it covers the default pair with dtype 'auto' only"
+        return "it covers the default target, with the default draft or none, and dtype 'auto' only"
     # measured up to γ_max = 8 (r(9)): a larger γ_max prices verifies it has not seen
     if config.num_speculative_tokens > 8:
         return f"it was measured up to γ = 8, not {config.num_speculative_tokens}"
-    if TargetKernel.BFLOAT16_INVARIANT.value not in targets or "int4" not in kinds:
+    if TargetKernel.BFLOAT16_INVARIANT.value not in targets or (draft is not None and "int4" not in kinds):
         return "its kernels (the batch-invariant target, the int4 draft) are not candidates here"
     report = cpu_report()
     # the machine as it is: not acting as an older one (emulation variables), 2 threads as measured
