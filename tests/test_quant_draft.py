@@ -58,6 +58,7 @@ def tiny_zoo(tmp_path, monkeypatch):
     """A zoo entry "tiny" (no parts needed: its models are built in the tests) and an empty cache."""
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setitem(zoo.ZOO, "tiny", zoo.ZooModel("tiny", "tinypart{}", 1, "1.0", 1, "ab" * 32, "tiny-part{}"))
+    monkeypatch.setattr(zoo, "check_installed", lambda name: None)  # nothing to install: built in the tests
     return tmp_path / "cache"
 
 

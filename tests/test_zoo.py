@@ -69,10 +69,15 @@ def test_default_pair_is_pinned():
 def test_transformers_bars_and_warnings_are_off_inside_and_restored_after():
     from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
-    with zoo._quiet_transformers():
-        assert not hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() == hf_logging.ERROR
-    assert hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() == verbosity
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # (another test's --quiet may have turned them off)
+    try:
+        with zoo._quiet_transformers():
+            assert not hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() == hf_logging.ERROR
+        assert hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() == verbosity
+    finally:
+        if not bars:
+            hf_logging.disable_progress_bar()
 
 
 def test_a_zoo_model_neither_installed_nor_cached_is_named_before_any_work(fake_parts, monkeypatch):
