@@ -126,15 +126,15 @@ def measure_and_choose(loaders: Loaders, targets: tuple[str, ...], draft_kinds: 
             backends["bfloat16-gemv"].one_row_onednn = False
             sizes = {"bfloat16": SIZES, "bfloat16-gemv": (1,)}
         if INVARIANT in targets:
-            invariant = loaders.backend(model, False)
+            backends[INVARIANT], sizes[INVARIANT] = loaders.backend(model, False), SIZES
             try:  # the model's fused weights become views: the other kernels read the same memory
-                invariant.use_invariant_forward(share=True)
-                backends[INVARIANT], sizes[INVARIANT] = invariant, SIZES
+                backends[INVARIANT].use_invariant_forward(share=True)
             except (ValueError, RuntimeError) as err:  # another kind of model, or no kernels
+                del backends[INVARIANT], sizes[INVARIANT]
                 say(f"batch-invariant kernels not timed: {err}")
         with torch.inference_mode():
             times = time_interleaved(backends, context, sizes)
-        del backends, model
+        del backends, model  # (nothing else may hold the model: the draft's timings come next)
         release()
         if "bfloat16-gemv" in times:
             times["bfloat16-gemv"] = {**times["bfloat16"], 1: times["bfloat16-gemv"][1]}
