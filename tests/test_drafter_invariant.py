@@ -89,6 +89,23 @@ def test_speculative_equals_plain_for_every_seed_on_tables(make_proposer):
     assert accepted > 200 and differ > 30
 
 
+def test_each_row_of_a_batch_is_its_plain_decoding():
+    """Rows of one batch (other seeds, prompts and lengths, a paper's-rule row and a greedy row
+    beside them) each emit what plain decoding of that request alone emits."""
+    from specdecode.engine.driver import run_all
+    from specdecode.engine.request import Request
+
+    target, draft = tables()
+    requests = [Request([1 + seed % 5, 2], sampled(seed, "drafter-invariant", tokens=12 + seed)) for seed in range(6)]
+    others = [Request([3], sampled(99, "token")), Request([4, 1], sampled(None, "token", temperature=0))]
+    batch = run_all(target, DraftModelProposer(draft), requests[:3] + others + requests[3:])
+    mine = batch[:3] + batch[5:]
+    for request, result in zip(requests, mine):
+        alone = run(target, None, request.prompt_ids, dataclasses.replace(request.config, num_speculative_tokens=0))
+        assert result.token_ids == alone.token_ids
+    assert sum(r.stats.num_accepted for r in mine) > 10
+
+
 def test_filters_and_draft_settings_do_not_change_the_tokens():
     target, draft = tables()
     for seed in range(10):

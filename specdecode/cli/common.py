@@ -143,7 +143,9 @@ def decoder_config(args, parser: argparse.ArgumentParser, **extra) -> DecoderCon
             parser.error(f"--threads must be >= 1, got {args.threads}")
         import torch
 
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        from specdecode.engine.threads import usable_cpus
+
+        cpus = usable_cpus()
         if args.threads > cpus:  # more threads than CPUs only wait on each other (and mislead the timings)
             print(f"{parser.prog}: --threads {args.threads} is more than the {cpus} CPUs this process may use: "
                   f"running {cpus}", file=sys.stderr)

@@ -119,6 +119,11 @@ def own_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def usable_cpus() -> int:
+    """How many CPUs this process may run on (its affinity set; all of them where that is unknown)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 class OthersMeter:
     """Cores of this process's CPU set that other processes kept busy, on average, since the last
     read (the first read: since construction); 0.0 where /proc/stat is missing."""
@@ -156,7 +161,7 @@ class ThreadGovernor:
     def __init__(self, max_threads: int | None = None, cores: int | None = None, interval: float = 1.0,
                  others: Callable[[], float] | None = None, clock: Callable[[], float] = time.monotonic):
         self.max_threads = max_threads or torch.get_num_threads()
-        self.cores = cores or len(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1))
+        self.cores = cores or usable_cpus()
         self.interval, self.clock = interval, clock
         self.others = others or OthersMeter()
         self.changes = 0

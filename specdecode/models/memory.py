@@ -48,9 +48,12 @@ def drop_file_pages(tensor) -> int:
     first, last = -(-start // page) * page, end // page * page  # whole pages inside the tensor only
     if last <= first:
         return 0
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return last - first if libc.madvise(first, last - first, _MADV_DONTNEED) == 0 else 0
+    try:
+        madvise = ctypes.CDLL("libc.so.6").madvise
+    except (OSError, AttributeError):  # another C library (musl): the pages stay, nothing breaks
+        return 0
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return last - first if madvise(first, last - first, _MADV_DONTNEED) == 0 else 0
 
 
 def _in_file_mapping(start: int, end: int) -> bool:
