@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 import weakref
 from typing import Callable, Iterator
 
 from specdecode import tune
+from specdecode.progress import default as default_progress
 from specdecode.config import DecoderConfig
 from specdecode.engine.driver import Driver
 from specdecode.engine.engine import Engine
@@ -72,20 +72,6 @@ class GenerationStream:
             self._driver.abort(self._request_id)
 
 
-_logger = logging.getLogger("specdecode")
-
-
-def _log_progress(message: str) -> None:
-    """The default progress: the "specdecode" logger at INFO, shown on stderr where the application
-    set up no logging (a first start assembles and times for minutes: a silent one looks hung)."""
-    if not logging.getLogger().handlers and not _logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("specdecode: %(message)s"))
-        _logger.addHandler(handler)
-        _logger.setLevel(logging.INFO)
-    _logger.info(message)
-
-
 class SpeculativeDecoder:
     """Exact speculative decoding of a target model with a draft model (paper Algorithm 1).
 
@@ -132,7 +118,7 @@ class SpeculativeDecoder:
         return decoder
 
     def _build(self, config: DecoderConfig, tokenizer, progress) -> None:
-        progress = progress or _log_progress
+        progress = progress or default_progress()
         self.decoder_config = config
         check_specs(config)  # both models findable, before anything is timed or loaded
         draft_tokenizer = load_tokenizer(config.draft_tokenizer) if isinstance(config.draft_tokenizer, str) \

@@ -178,7 +178,7 @@ class DecoderConfig:
         """A config from keyword options, old spellings included (each warns once, naming the new
         one): prompt_lookup=True/"suffix" → free_drafts="suffix", "ngram" → "ngram", False →
         "off", None → "auto"; quantize_draft=True → "int4", False → "none", None → "auto";
-        dtype=None or a torch.dtype → its name.
+        dtype=None or a torch.dtype → its name; batch_invariant="on"/"off" (the CLI's words) → True/False.
 
         Raises:
             TypeError: an unknown option (named).
@@ -207,6 +207,8 @@ class DecoderConfig:
             options["dtype"] = "auto"
         elif not isinstance(dtype, str) and str(dtype).startswith("torch."):
             options["dtype"] = str(dtype).removeprefix("torch.")
+        if options.get("batch_invariant") in ("on", "off"):  # the CLI's spellings
+            options["batch_invariant"] = options["batch_invariant"] == "on"
         if options.get("draft") == "none":  # the CLI's spelling of plain decoding
             options["draft"] = None
         names = {f.name for f in dataclasses.fields(cls)}

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from specdecode import SamplingParams, SpeculativeDecoder
+from specdecode import DecoderConfig, SamplingParams, SpeculativeDecoder
 from specdecode.cli import main
 from specdecode.models.quant import Int4Linear, Int8Linear
 
@@ -145,6 +145,8 @@ def test_cli_streams_text_and_prints_summary(model_dirs, tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 0
     assert "tokens/s" in captured.err and "acceptance rate" in captured.err
+    progress = [line for line in captured.err.splitlines() if line.startswith("loading") or "loading" in line[:20]]
+    assert progress and all(line.startswith("specdecode: ") for line in progress)  # the library's own lines
     assert "\033[" in captured.out  # coloured by origin
 
 
@@ -216,6 +218,13 @@ def test_token_ids_of_any_integer_type_are_accepted_and_others_refused(decoder):
 def test_a_batch_is_validated_before_anything_is_generated(decoder):
     with pytest.raises(ValueError, match="prompt is empty"):
         decoder.generate(["abc", ""], max_new_tokens=4)
+
+
+def test_batch_invariant_takes_the_clis_words_too():
+    assert DecoderConfig.from_options(batch_invariant="on").batch_invariant is True
+    assert DecoderConfig.from_options(batch_invariant="off").batch_invariant is False
+    with pytest.raises(ValueError, match="batch_invariant must be"):
+        DecoderConfig.from_options(batch_invariant="yes").validate()
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -16,6 +16,7 @@ from typing import get_args
 from specdecode import config as options
 from specdecode.config import DecoderConfig
 from specdecode.models import zoo
+from specdecode.progress import log as log_progress, to_stderr
 
 # alpha and bench write here by default, one new folder per run, so that a run from the clone
 # never overwrites the measurements in docs/results/ (those pass --out docs/results/NAME explicitly).
@@ -257,9 +258,13 @@ def read_prompts_file(path: str) -> list[str]:
 
 
 def stderr_progress(args):
-    """A stderr printer (one that prints nothing with --quiet, which also silences transformers' bars)."""
+    """The command's progress: "specdecode: ..." lines on stderr, the library's own (its logger's,
+    so that a line logged deep inside, such as the kernels' first build, shows too); with --quiet
+    none, and transformers' bars silenced."""
     if not args.quiet:
-        return lambda msg: print(msg, file=sys.stderr, flush=True)
+        to_stderr()
+        return log_progress
+    to_stderr(show=False)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

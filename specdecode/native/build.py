@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -101,6 +102,8 @@ def load() -> ctypes.CDLL:
                                 "'apt-get install g++'; until then torch's kernels run)")
     path = library_path()
     if not path.exists():
+        logging.getLogger("specdecode").info("building the batch-invariant kernels for this CPU (once, a few seconds): "
+                                             "%s", path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.partial")

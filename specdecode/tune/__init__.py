@@ -27,7 +27,7 @@ from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.tune import cache
 from specdecode.tune.candidates import Loaders, measure_and_choose
 from specdecode.tune.costs import Choice
-from specdecode.tune.hardware import CpuWatch, cpu_report, describe, idle_now, native_bfloat16
+from specdecode.tune.hardware import CpuWatch, cpu_report, idle_now, native_bfloat16
 from specdecode.tune.prior import prior_choice, prior_gap
 from specdecode.tune.timing import guard_costs
 
@@ -91,7 +91,8 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None, m
         return static
     targets, kinds = candidates_of(config, quantization)
     key = _key(config, targets + kinds)
-    choice = None if measure_now else cache.load_choice(key) or prior_choice(config, targets, kinds)
+    cached = None if measure_now else cache.load_choice(key)
+    choice = cached or (None if measure_now else prior_choice(config, targets, kinds))
     if choice is None and not measure_now and progress:
         progress(f"no measured prior for this machine ({prior_gap(config, targets, kinds)}): timing the candidates")
     if choice is not None and choice.provisional and idle_now():
@@ -113,7 +114,10 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None, m
                 progress(note)
         cache.save_choice(key, choice)  # (a prior is not: it costs nothing to find again)
     if progress:
-        progress(f"chose for this machine ({describe(cpu_report())}): {choice.describe()}")
+        machine = cpu_report()
+        source = "cached, " if choice is cached else ""
+        progress(f"chose for this machine ({source}{machine['cpu']}, {machine['capability']}, {machine['threads']} "
+                 f"threads): {choice.headline()}")
     upcast = not native_bfloat16()
     if choice.draft_kernel is None:
         # no draft model pays here; free drafts (suffix drafts by default, guarded) cost none and

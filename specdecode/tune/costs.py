@@ -147,6 +147,18 @@ class Choice:
         """Expected tokens per second over plain decoding with the fastest target kernel."""
         return self.rate / self.plain_rate
 
+    def headline(self) -> str:
+        """The choice in one short line for a progress message (describe() has the numbers)."""
+        if self.draft_kernel is None:
+            what = f"{self.target_kernel} target" + (", plain decoding: no draft model pays here" if self.draft_timed
+                                                      else "")
+        else:
+            what = (f"{self.target_kernel} target, {self.draft_kernel} {self.draft_dtype} draft, γ ≤ {self.gamma}, "
+                    f"expected {self.speedup:.2f}x plain decoding")
+        if self.prior:
+            return f"{what} (the measured prior for this CPU class; `specdecode tune` times this machine)"
+        return f"{what} (timed beside other work: provisional)" if self.provisional else what
+
     def describe(self) -> str:
         if self.draft_kernel is None and not self.draft_timed:
             return f"{self.target_kernel} target ({self.plain_rate:.1f} tokens/s expected): the fastest target kernel here"
