@@ -36,13 +36,13 @@ baselines = {name: zoo.load_zoo_model(zoo.DEFAULT_TARGET, dtype)[0] for name, dt
              (("bfloat16", torch.bfloat16), ("float32", torch.float32))}
 prompts = [p for task in args.tasks for p in load_prompts(task, args.prompts_per_task)]
 greedy = SamplingParams(temperature=0)
-no_eos = dataclasses.replace(decoder.config(args.new_tokens, greedy), eos_token_ids=frozenset())
+no_eos = dataclasses.replace(decoder.requests.config(args.new_tokens, greedy), eos_token_ids=frozenset())
 
 
 def ours(ids):
     start = time.perf_counter()
-    request_id = decoder._driver.submit(Request(ids, no_eos), keep_events=True)
-    stream = decoder._driver.stream(request_id)
+    request_id = decoder.driver.submit(Request(ids, no_eos), keep_events=True)
+    stream = decoder.driver.stream(request_id)
     next(stream)
     first = time.perf_counter() - start
     tokens = 1 + sum(1 for _ in stream)
@@ -60,7 +60,7 @@ def hf(model, ids, new_tokens):
 
 rows, results = [], []
 for prompt in prompts:
-    ids = decoder.encode(prompt.text, chat=prompt.chat)
+    ids = decoder.requests.encode(prompt.text, chat=prompt.chat)
     record = {"prompt": prompt.id, "prompt_tokens": len(ids)}
     record["ours_s"], record["ours_first_token_s"], record["ours_tokens"] = ours(ids)
     for name, model in baselines.items():

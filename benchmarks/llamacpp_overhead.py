@@ -26,7 +26,7 @@ def main() -> None:
     print(describe(cpu_report()), "|", llamacpp.system_info())
     source = zoo.gguf_file(zoo.DEFAULT_TARGET)
     decoder = SpeculativeDecoder("default", None, dtype="gguf", free_drafts="off", guard=False)
-    ids = decoder.encode("Write a short story about a lighthouse keeper who finds a message in a bottle. " * 3,
+    ids = decoder.requests.encode("Write a short story about a lighthouse keeper who finds a message in a bottle. " * 3,
                          chat=False)
     raw = RawLlama(source, 4096, torch.get_num_threads(), repack=llamacpp.repack_works(source))
     greedy = SamplingParams(temperature=0, ignore_eos=True)

@@ -68,7 +68,7 @@ def main() -> None:
     vocab = decoder.target.backend.vocab_size
 
     def proposer(kind):
-        fallback = DraftModelProposer(decoder.draft.backend, decoder.draft_confidence)
+        fallback = DraftModelProposer(decoder.draft.backend, decoder.decoder_config.draft_confidence)
         if kind == "ngram":
             return FallbackProposer(PromptLookupProposer(vocab), fallback)
         return FallbackProposer(SuffixProposer(vocab), fallback)
@@ -81,7 +81,7 @@ def main() -> None:
         texts = {kind: [] for kind in kinds}
         for index, prompt in enumerate(prompts):
             for kind in kinds:
-                request = decoder.request(prompt, decoder.config(args.new_tokens, greedy), chat=chat)
+                request = decoder.requests.request(decoder.requests.encode(prompt, chat), decoder.requests.config(args.new_tokens, greedy))
                 start = time.perf_counter()
                 result = drivers[kind].result(drivers[kind].submit(request))
                 seconds = time.perf_counter() - start

@@ -39,7 +39,7 @@ backends = {kind: NoEOS(HFCausalLM(m, vocab_limit=limit), eos) for kind, m in dr
 # the guard's (c, slope) per draft and γ, as SpeculativeDecoder measures them at load
 costs = {kind: measure_costs(decoder.target.backend, b.backend, list(range(100, 164)), [9, 17], repeats=3)
          for kind, b in backends.items()}
-prompts = [("code", decoder.encode(p.text, chat=False)) for p in load_prompts("code", 25)[20:]]
+prompts = [("code", decoder.requests.encode(p.text, chat=False)) for p in load_prompts("code", 25)[20:]]
 
 
 def ours(kind, gamma, schedule, confidence):

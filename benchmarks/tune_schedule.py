@@ -19,7 +19,7 @@ greedy = SamplingParams(temperature=0)
 eos = decoder.eos_token_ids
 target, draft = NoEOS(decoder.target.backend, eos), NoEOS(decoder.draft.backend, eos)
 model, pad = decoder.target.backend.model, decoder.tokenizer.eos_token_id
-prompts = [("code", decoder.encode(p.text, chat=False)) for p in load_prompts("code", 25)[20:]]
+prompts = [("code", decoder.requests.encode(p.text, chat=False)) for p in load_prompts("code", 25)[20:]]
 
 
 def ours(gamma, schedule, lookup):

@@ -6,7 +6,7 @@ without importing torch.
 
 import importlib
 
-_NAMES = {"SpeculativeDecoder": "specdecode.api", "GenerationStream": "specdecode.api",
+_NAMES = {"SpeculativeDecoder": "specdecode.api", "GenerationStream": "specdecode.engine.stream",
           "DecoderConfig": "specdecode.config", "GenerationResult": "specdecode.engine.request",
           "TokenEvent": "specdecode.engine.request", "GenerationStats": "specdecode.engine.stats",
           "SamplingParams": "specdecode.sampling"}

@@ -411,15 +411,15 @@ def test_a_seeded_sampled_prompt_gives_the_same_output_in_a_list_as_alone(model_
 def test_the_guard_stays_out_of_seeded_sampling_and_lenient_greedy(model_dirs):
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float32", guard_costs=(0.1, 0.0))
     greedy, seeded = SamplingParams(temperature=0), SamplingParams(seed=1)
-    assert decoder.config(8, greedy).costs == (0.1, 0.0)
-    assert decoder.config(8, SamplingParams()).costs == (0.1, 0.0)
-    assert decoder.config(8, seeded).costs is None
-    assert decoder.config(8, greedy, lenience=0.5).costs is None
+    assert decoder.requests.config(8, greedy).costs == (0.1, 0.0)
+    assert decoder.requests.config(8, SamplingParams()).costs == (0.1, 0.0)
+    assert decoder.requests.config(8, seeded).costs is None
+    assert decoder.requests.config(8, greedy, lenience=0.5).costs is None
     assert SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], guard=False).guard_costs is None
     # drafter-invariant: a seeded request's tokens do not depend on when drafting pauses
     invariant = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float32", guard_costs=(0.1, 0.0),
                                    verification="drafter-invariant")
-    assert invariant.config(8, seeded).costs == (0.1, 0.0)
+    assert invariant.requests.config(8, seeded).costs == (0.1, 0.0)
 
 
 def test_lenience_without_a_draft_is_not_lossy(model_dirs):

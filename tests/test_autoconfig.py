@@ -44,7 +44,7 @@ def test_auto_times_the_pair_once_and_a_second_start_reuses_the_choice(model_dir
                                                                        monkeypatch):
     lines = []
     first = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], progress=lines.append)
-    assert first.choice is not None and first.choice.notes  # what was measured, per target kernel
+    assert first.plan.choice is not None and first.plan.choice.notes  # what was measured, per target kernel
     assert any(line.startswith("chose for this machine") and hardware.cpu_report()["capability"] in line
                and len(line) < 250 for line in lines)
     assert list((cache / "choices").glob("*.json"))
@@ -52,7 +52,7 @@ def test_auto_times_the_pair_once_and_a_second_start_reuses_the_choice(model_dir
     # integer kernels' float32 form only where bfloat16 products are not native)
     for kind in ALL_KINDS:
         for dtype in ("bfloat16", "bfloat16-gemv", "bfloat16-sdpa", "float32"):
-            timed = any(note.startswith(f"{kind} {dtype} draft: step") for note in first.choice.notes)
+            timed = any(note.startswith(f"{kind} {dtype} draft: step") for note in first.plan.choice.notes)
             # SDPA is timed where the prepared draft runs eager attention (the quantized ones)
             expected = kind != "none" or dtype not in ("float32", "bfloat16-sdpa")
             if dtype == "float32" and hardware.native_bfloat16():
@@ -63,11 +63,11 @@ def test_auto_times_the_pair_once_and_a_second_start_reuses_the_choice(model_dir
         raise AssertionError("measured again")
     monkeypatch.setattr(tune, "measure_and_choose", no_measuring)
     second = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
-    assert second.choice == first.choice and second.dtype == first.dtype
+    assert second.plan.choice == first.plan.choice and second.pair.dtype == first.pair.dtype
     configuration = second.configuration()
-    assert configuration["dtype"] == str(second.dtype).removeprefix("torch.")
+    assert configuration["dtype"] == str(second.pair.dtype).removeprefix("torch.")
     assert configuration["machine"]["capability"] == torch.backends.cpu.get_cpu_capability()
-    assert configuration["choice"]["summary"] == first.choice.describe() and configuration["choice"]["prior"] is False
+    assert configuration["choice"]["summary"] == first.plan.choice.describe() and configuration["choice"]["prior"] is False
 
 
 @pytest.mark.skipif(not packed.available(), reason="this torch build has no oneDNN packed linear")
@@ -75,8 +75,8 @@ def test_a_float32_choice_loads_float32_with_packed_linears_and_greedy_equals_pl
         model_dirs, cache, timed_when_tiny):
     _cached(model_dirs, Choice("float32-packed", "int4", "bfloat16-gemv", 3, 10.0, 5.0))
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
-    assert decoder.dtype == torch.float32 and decoder.num_speculative_tokens == 3
-    assert decoder.draft_dtype == torch.bfloat16 and not decoder.draft.backend.one_row_onednn
+    assert decoder.pair.dtype == torch.float32 and decoder.num_speculative_tokens == 3
+    assert decoder.pair.draft_dtype == torch.bfloat16 and not decoder.draft.backend.one_row_onednn
     assert decoder.target.backend.one_row_onednn
     assert any(isinstance(m, packed.PackedLinear) for m in decoder.target.backend.model.modules())
     assert decoder.configuration()["target_kernel"] == "float32-packed"
@@ -90,7 +90,7 @@ def test_a_float32_choice_loads_float32_with_packed_linears_and_greedy_equals_pl
 def test_a_gemv_choice_runs_one_row_calls_of_both_models_without_onednn(model_dirs, cache, timed_when_tiny):
     _cached(model_dirs, Choice("bfloat16-gemv", "int4", "bfloat16-gemv", 6, 10.0, 5.0))
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
-    assert decoder.dtype == torch.bfloat16 and decoder.num_speculative_tokens == 6
+    assert decoder.pair.dtype == torch.bfloat16 and decoder.num_speculative_tokens == 6
     assert not decoder.target.backend.one_row_onednn and not decoder.draft.backend.one_row_onednn
     assert decoder.generate("abcab", max_new_tokens=12, sampling=GREEDY).stats.num_drafted > 0
 
@@ -98,7 +98,7 @@ def test_a_gemv_choice_runs_one_row_calls_of_both_models_without_onednn(model_di
 def test_an_sdpa_choice_runs_the_drafts_steps_with_sdpa_and_greedy_equals_plain(model_dirs, cache, timed_when_tiny):
     _cached(model_dirs, Choice("bfloat16", "int4", "bfloat16-sdpa", 4, 10.0, 5.0))
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
-    assert decoder.draft_dtype == torch.bfloat16 and decoder.draft.backend.one_row_onednn
+    assert decoder.pair.draft_dtype == torch.bfloat16 and decoder.draft.backend.one_row_onednn
     assert not decoder.draft.backend.eager_attention
     assert SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="bfloat16").draft.backend.eager_attention
     got = decoder.generate("abcab", max_new_tokens=16, sampling=GREEDY)
@@ -110,7 +110,7 @@ def test_an_sdpa_choice_runs_the_drafts_steps_with_sdpa_and_greedy_equals_plain(
 def test_a_plain_choice_loads_no_draft_and_keeps_only_the_free_drafts(model_dirs, cache, timed_when_tiny):
     _cached(model_dirs, Choice("bfloat16", None, None, 0, 5.0, 5.0))
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
-    assert decoder.draft is None and decoder.dtype == torch.bfloat16
+    assert decoder.draft is None and decoder.pair.dtype == torch.bfloat16
     assert decoder.configuration()["free_drafts"] == "suffix"  # they cost no model
     assert "no draft model pays" in decoder.configuration()["choice"]["summary"]
     _cached(model_dirs, Choice("bfloat16", None, None, 0, 5.0, 5.0))
@@ -123,7 +123,7 @@ def test_a_plain_choice_loads_no_draft_and_keeps_only_the_free_drafts(model_dirs
 def test_an_explicit_dtype_is_honoured_and_nothing_is_timed(model_dirs, cache, timed_when_tiny, monkeypatch):
     monkeypatch.setattr(tune, "measure_and_choose", lambda *a, **k: pytest.fail("timed an explicit dtype"))
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float32")
-    assert decoder.dtype == torch.float32 and decoder.choice is None
+    assert decoder.pair.dtype == torch.float32 and decoder.plan.choice is None
     assert decoder.configuration()["choice"] is None
     # float32 as asked, its products on packed weights (the same IEEE arithmetic)
     assert any(isinstance(m, packed.PackedLinear) for m in decoder.target.backend.model.modules()) \
@@ -136,14 +136,14 @@ def test_a_model_object_is_never_changed_by_auto(model_dirs, char_tokenizer, cac
     monkeypatch.setattr(tune, "measure_and_choose", lambda *a, **k: pytest.fail("timed a model object"))
     model = AutoModelForCausalLM.from_pretrained(model_dirs["target"])
     decoder = SpeculativeDecoder(model, None, tokenizer=char_tokenizer)
-    assert decoder.choice is None and all(type(m) is not packed.PackedLinear for m in model.modules())
+    assert decoder.plan.choice is None and all(type(m) is not packed.PackedLinear for m in model.modules())
     assert next(model.parameters()).dtype == torch.float32
 
 
 def test_small_models_keep_bfloat16_without_timing(model_dirs, cache, monkeypatch):
     monkeypatch.setattr(candidates, "time_interleaved", lambda *a, **k: pytest.fail("timed a tiny model"))
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"])
-    assert decoder.dtype == torch.bfloat16 and decoder.choice is None
+    assert decoder.pair.dtype == torch.bfloat16 and decoder.plan.choice is None
     assert not list((cache / "choices").glob("*.json"))
 
 
@@ -152,7 +152,7 @@ def test_an_unreadable_cache_file_is_measured_again(model_dirs, cache, timed_whe
     choice_cache.cache_path(key).parent.mkdir(parents=True)
     choice_cache.cache_path(key).write_text("{not json")
     assert choice_cache.load_choice(key) is None
-    assert SpeculativeDecoder(model_dirs["target"], model_dirs["draft"]).choice is not None
+    assert SpeculativeDecoder(model_dirs["target"], model_dirs["draft"]).plan.choice is not None
     assert choice_cache.load_choice(key) is not None
 
 
@@ -161,7 +161,7 @@ def test_a_choice_measured_while_other_processes_were_busy_is_provisional_and_ti
     monkeypatch.setattr(hardware, "BUSY_CORES", -1.0)  # any other load counts as busy
     lines = []
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], progress=lines.append)
-    assert decoder.choice is not None and decoder.choice.provisional and "provisional" in decoder.choice.notes[-1]
+    assert decoder.plan.choice is not None and decoder.plan.choice.provisional and "provisional" in decoder.plan.choice.notes[-1]
     assert any("provisional" in line for line in lines)
     cached = choice_cache.load_choice(_key(model_dirs))
     assert cached is not None and cached.provisional  # kept: the next busy start times nothing

@@ -24,7 +24,7 @@ def plain_texts(model_dirs):
 def test_device_map_auto_keeps_the_greedy_text_and_the_draft_on_the_first_device(model_dirs, plain_texts):
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float32", guard=False,
                                  device_map="auto")
-    assert decoder.device == torch.device("cpu") == next(decoder.draft.backend.model.parameters()).device
+    assert decoder.pair.device == torch.device("cpu") == next(decoder.draft.backend.model.parameters()).device
     assert texts(decoder) == plain_texts
 
 
@@ -39,7 +39,7 @@ def test_a_target_offloaded_to_disk_by_its_device_map_keeps_the_greedy_text(mode
     model = decoder.target.backend.model
     assert model.hf_device_map == OFFLOADED  # passed through to transformers and accelerate
     assert model.lm_head.weight.device == torch.device("meta")  # its weights stay on disk between forwards
-    assert decoder.device == torch.device("cpu")
+    assert decoder.pair.device == torch.device("cpu")
     assert texts(decoder) == plain_texts
 
 
@@ -59,6 +59,6 @@ def test_a_target_split_between_gpu_and_cpu_keeps_the_greedy_text(model_dirs, pl
              "model.norm": "cpu", "lm_head": "cpu"}
     decoder = SpeculativeDecoder(model_dirs["target"], model_dirs["draft"], dtype="float32", guard=False,
                                  device_map=split)
-    assert decoder.device == torch.device("cuda", 0)
+    assert decoder.pair.device == torch.device("cuda", 0)
     assert next(decoder.draft.backend.model.parameters()).device == torch.device("cuda", 0)
     assert texts(decoder) == plain_texts

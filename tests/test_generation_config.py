@@ -36,7 +36,7 @@ def test_generation_config_penalties_apply_exactly_and_the_rest_is_named_once(pe
                                      dtype="float32", guard=False)
     messages = [str(w.message) for w in caught if "generation_config" in str(w.message)]
     assert len(messages) == 1 and "do_sample=True" in messages[0] and "temperature=0.7" in messages[0]
-    assert decoder.generation_defaults == {"repetition_penalty": 1.5, "no_repeat_ngram_size": 3}
+    assert decoder.requests.defaults == {"repetition_penalty": 1.5, "no_repeat_ngram_size": 3}
     greedy = SamplingParams(temperature=0)
     result = decoder.generate("abcab", max_new_tokens=30, sampling=greedy, chat=False)
     model = decoder.target.backend.model
@@ -53,7 +53,7 @@ def test_generation_config_penalties_apply_exactly_and_the_rest_is_named_once(pe
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ignoring = SpeculativeDecoder(penalized_dirs["target"], None, dtype="float32", use_generation_config=False)
-    assert ignoring.generation_defaults == {}
+    assert ignoring.requests.defaults == {}
     plain = ignoring.generate("abcab", max_new_tokens=30, sampling=greedy, chat=False)
     raw = model.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False, pad_token_id=0,
                          repetition_penalty=1.0, no_repeat_ngram_size=0)[0, len(ids):].tolist()

@@ -101,16 +101,16 @@ def test_auto_times_llama_cpp_beside_torch_and_loads_what_it_chose(gguf, monkeyp
     monkeypatch.setattr(hardware, "BUSY_CORES", float("inf"))  # cached whatever else runs here
     lines = []
     decoder = SpeculativeDecoder(gguf["target"], gguf["draft"], progress=lines.append)
-    notes = "\n".join(decoder.choice.notes)
+    notes = "\n".join(decoder.plan.choice.notes)
     assert "llama.cpp-bf16 target: step" in notes and "bfloat16 target: step" in notes
     assert "gguf llama.cpp draft: step" in notes and "int4 bfloat16 draft: step" in notes
     assert any(line.startswith("chose for this machine") for line in lines)
-    assert decoder.configuration()["target_kernel"] == decoder.choice.target_kernel
-    assert decoder.configuration()["backend"] == ("llama.cpp" if decoder.choice.target_kernel.startswith("llama")
+    assert decoder.configuration()["target_kernel"] == decoder.plan.choice.target_kernel
+    assert decoder.configuration()["backend"] == ("llama.cpp" if decoder.plan.choice.target_kernel.startswith("llama")
                                                   else "torch")
     monkeypatch.setattr(tune, "measure_and_choose", lambda *a, **k: pytest.fail("measured again"))
     again = SpeculativeDecoder(gguf["target"], gguf["draft"])
-    assert again.choice == decoder.choice
+    assert again.plan.choice == decoder.plan.choice
 
 
 def test_the_choice_cache_key_names_the_llama_cpp_build(gguf, monkeypatch):

@@ -33,7 +33,7 @@ def test_default_pair_greedy_equals_plain_target_greedy_on_humaneval(float32_dec
     # must match token for token (bf16 may differ on near-ties; see docs/exactness.md).
     decoder = float32_decoder
     assert {151643, 151645} <= decoder.eos_token_ids  # <|endoftext|> ends raw completions
-    assert float32_plain.draft is None and not float32_plain.prompt_lookup
+    assert float32_plain.draft is None and not float32_plain.plan.free_drafts
     greedy = SamplingParams(temperature=0)
     for problem in humaneval_prompts(3):
         spec = decoder.generate(problem["prompt"], max_new_tokens=32, sampling=greedy, chat=False)

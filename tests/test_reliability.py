@@ -87,7 +87,7 @@ def test_the_request_whose_processor_raises_gets_its_error_and_the_thread_that_s
     with pytest.raises(ValueError, match="boom"):
         list(raiser)
     assert isinstance(outcome["innocent"], RuntimeError) and "ValueError: boom" in str(outcome["innocent"])
-    assert not decoder.engine.has_work and not decoder._driver.failed
+    assert not decoder.engine.has_work and not decoder.driver.failed
     assert decoder.generate("abc", max_new_tokens=16, sampling=GREEDY, chat=False).token_ids == expected["abc"]
 
 
@@ -119,7 +119,7 @@ def test_two_threads_generating_each_get_their_own_outcome_when_one_processor_ra
             t.join(120)
         assert type(outcome["raiser"]) is ValueError and str(outcome["raiser"]) == "boom"
         assert isinstance(outcome["innocent"], RuntimeError) and "ValueError: boom" in str(outcome["innocent"])
-        assert not decoder.engine.has_work and not decoder._driver.failed
+        assert not decoder.engine.has_work and not decoder.driver.failed
     assert decoder.generate("dead beef", max_new_tokens=16, sampling=GREEDY, chat=False).token_ids == \
         expected["dead beef"]
 
@@ -194,7 +194,7 @@ def test_every_request_submitted_while_the_worker_shuts_down_gets_an_answer(deco
             worker._inbox = SlowInbox(worker._inbox)  # widens the window between the check and the put
             worker.start()
             handles, refused = [], 0
-            request = decoder.request("abc", decoder.config(4, GREEDY), chat=False)
+            request = decoder.requests.request(decoder.requests.encode("abc", False), decoder.requests.config(4, GREEDY))
 
             def submit_many():
                 nonlocal refused
@@ -253,17 +253,17 @@ def test_the_servers_worker_gives_the_failing_request_its_error_and_the_others_a
     loop_thread.start()
     worker = EngineWorker(decoder.engine, max_queue=10)
     try:
-        config = decoder.config(16, ENDLESS)
-        bad = Handle(decoder.request("abc", dataclasses.replace(
-            config, logits_processors=[failing_after(4, ValueError("bad"))]), chat=False), loop)
-        good = Handle(decoder.request("ace", config, chat=False), loop)
+        config = decoder.requests.config(16, ENDLESS)
+        bad = Handle(decoder.requests.request(decoder.requests.encode("abc", False), dataclasses.replace(
+            config, logits_processors=[failing_after(4, ValueError("bad"))])), loop)
+        good = Handle(decoder.requests.request(decoder.requests.encode("ace", False), config), loop)
         for handle in (good, bad):
             worker.submit(handle)
         worker.start()  # both are admitted to the first step
         own, other = (asyncio.run_coroutine_threadsafe(_last_item(h), loop).result(timeout=60) for h in (bad, good))
         assert isinstance(own, ValueError) and isinstance(other, StepFailed) and "ValueError" in str(other)
         assert failure(own).status == 500 and failure(other).status == 503  # the client may retry the other
-        again = Handle(decoder.request("ace", config, chat=False), loop)
+        again = Handle(decoder.requests.request(decoder.requests.encode("ace", False), config), loop)
         worker.submit(again)  # the worker goes on, clean
         assert asyncio.run_coroutine_threadsafe(_last_item(again), loop).result(timeout=60) is None
     finally:

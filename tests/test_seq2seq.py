@@ -314,7 +314,7 @@ def test_decoder_loads_seq2seq_paths_and_matches_generate(seq2seq_dirs, char_tok
 
     decoder = SpeculativeDecoder(seq2seq_dirs["target"], seq2seq_dirs["draft"], num_speculative_tokens=3,
                                  dtype="float32")
-    assert decoder.is_encoder_decoder
+    assert decoder.pair.is_encoder_decoder
     result = decoder.generate("abc", max_new_tokens=16, sampling=SamplingParams(temperature=0))
     source = char_tokenizer.encode("abc", add_special_tokens=True)
     model = AutoModelForSeq2SeqLM.from_pretrained(seq2seq_dirs["target"], dtype=torch.float32).eval()

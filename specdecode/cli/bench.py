@@ -90,7 +90,7 @@ def run(args, parser) -> int:
                 from specdecode.models.loading import load_model
 
                 spec = zoo.DEFAULT_DRAFT if args.draft == "default" else args.draft
-                hf_drafts[label] = load_model(spec, decoder.dtype, progress)[0]
+                hf_drafts[label] = load_model(spec, decoder.pair.dtype, progress)[0]
         bench_report(decoder, args.tasks, args.prompts, new_tokens=args.new_tokens, repeats=args.repeats,
                      gammas=args.gammas, sampling=sampling, hf_schedules=schedules, out=out,
                      hf_drafts=hf_drafts, lenience=args.lenience, batch_sizes=args.batch_size,

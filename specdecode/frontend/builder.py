@@ -16,7 +16,7 @@ import warnings
 
 from specdecode.config import DecoderConfig
 from specdecode.engine.request import DecodeConfig, Request
-from specdecode.frontend.schema import MAX_LOGPROBS, ApiError, ChatRequest, CompletionRequest, \
+from specdecode.frontend.schema import MAX_CHOICES, MAX_LOGPROBS, ApiError, ChatRequest, CompletionRequest, \
     max_tokens, num_logprobs, prompt_list, stops
 from specdecode.sampling import SamplingParams
 
@@ -293,6 +293,42 @@ class RequestBuilder:
                             costs=self.guard_costs if self.guarded(sampling, lenience) else None,
                             gamma_schedule=self.decoder.gamma_schedule, verification=self.decoder.verification, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, logits_processors=tuple(processors), grammar=compiled)
+
+    def for_generate(self, prompt, *, max_new_tokens: int, sampling=None, stop=None, chat: bool | None = None,
+                     stream: bool = False, n: int = 1, lenience: float = 1.0, logprobs: int | None = None,
+                     logits_processors=None, response_format=None, grammar=None,
+                     prompt_logprobs: int | None = None) -> tuple[list[Request], bool]:
+        """The Requests of one SpeculativeDecoder.generate call, every one validated before any is
+        decoded (arguments as generate's): each prompt n times in a row (choice i of a seeded
+        prompt seeded s + i: choice_samplings), the grammar compiled once. Returns (requests,
+        whether `prompt` was a list of prompts).
+
+        Raises:
+            ValueError, TypeError: as generate's (any prompt of a list, before anything runs).
+        """
+        if not is_int(n) or not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}] (choices per prompt), got {n!r}")
+        is_batch = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (str, list, tuple))
+        if stream and (is_batch or n > 1):
+            raise ValueError("stream=True takes one prompt, not a list" if is_batch else
+                             "stream=True takes one choice (n=1)")
+        prompts = prompt if is_batch else [prompt]
+        if isinstance(sampling, (list, tuple)):
+            if not is_batch:
+                raise TypeError("sampling is a list, but there is one prompt: pass one SamplingParams")
+            if len(sampling) != len(prompts):
+                raise ValueError(f"sampling has {len(sampling)} entries for {len(prompts)} prompts; give one per "
+                                 "prompt")
+        samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        compiled = self.grammar(response_format, grammar)
+        requests = []
+        for one, s in zip(prompts, samplings):
+            configs = [self.config(max_new_tokens, choice, stop, lenience, logprobs, logits_processors,
+                                   grammar=compiled, prompt_logprobs=prompt_logprobs)
+                       for choice in choice_samplings(s, n)]
+            ids = self.encode(one, chat)
+            requests.extend(self.request(ids, config) for config in configs)
+        return requests, is_batch
 
     def guarded(self, sampling: SamplingParams, lenience: float) -> bool:
         """Whether the guard may pause this request's drafting. A seeded sampled request must give

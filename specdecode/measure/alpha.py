@@ -226,12 +226,12 @@ def alpha_report(decoder, tasks: list[str], prompts_per_task: int, temperatures:
     from specdecode.measure.plots import plot_alpha
     from specdecode.measure.report import environment, fmt, markdown_table, write
 
-    if decoder.is_encoder_decoder:
+    if decoder.pair.is_encoder_decoder:
         raise ValueError("specdecode alpha measures decoder-only pairs; encoder-decoder pairs are not supported yet")
     results = []
     for task in tasks:
         prompts = load_prompts(task, prompts_per_task)
-        encoded = [decoder.encode(p.text, chat=None if p.chat else False) for p in prompts]
+        encoded = [decoder.requests.encode(p.text, chat=None if p.chat else False) for p in prompts]
         for temperature in temperatures:
             if progress:
                 progress(f"{task}, temperature {temperature:g}: {len(encoded)} prompts")

@@ -31,6 +31,7 @@ from specdecode.config import Verification
 from specdecode.measure.batch_bench import batch_throughput
 from specdecode.engine.driver import run
 from specdecode.engine.request import DecodeConfig
+from specdecode import proposers
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 from specdecode.tune.timing import measure_costs
@@ -131,25 +132,25 @@ def build_configs(decoder, new_tokens: int, sampling: SamplingParams, gammas: li
             configs[f"specdecode γ={LENIENCE_GAMMA}, lenience {value:g} (lossy)"] = _our_runner(
                 target, lambda: DraftModelProposer(draft), LENIENCE_GAMMA, new_tokens, sampling, lenience=value)
     # As generate() does: the guard runs for greedy (and unseeded) requests; bench seeds every run.
-    configs["specdecode as configured"] = _our_runner(target, lambda: decoder.proposer(draft),
+    configs["specdecode as configured"] = _our_runner(target, lambda: proposers.for_pair(decoder.pair, decoder.decoder_config, decoder.plan.free_drafts, draft),
                                                       decoder.num_speculative_tokens, new_tokens, sampling,
                                                       decoder.guard_costs if sampling.greedy else None,
-                                                      gamma_schedule=decoder.gamma_schedule,
-                                                      verification=decoder.verification)
+                                                      gamma_schedule=decoder.decoder_config.gamma_schedule,
+                                                      verification=decoder.decoder_config.verification)
     if compare_verification and draft is not None:
-        for other in (rule for rule in get_args(Verification) if rule != decoder.verification):
+        for other in (rule for rule in get_args(Verification) if rule != decoder.decoder_config.verification):
             configs[f"specdecode as configured, {other} verification"] = _our_runner(
-                target, lambda: decoder.proposer(draft), decoder.num_speculative_tokens, new_tokens, sampling,
-                decoder.guard_costs if sampling.greedy else None, gamma_schedule=decoder.gamma_schedule,
+                target, lambda: proposers.for_pair(decoder.pair, decoder.decoder_config, decoder.plan.free_drafts, draft), decoder.num_speculative_tokens, new_tokens, sampling,
+                decoder.guard_costs if sampling.greedy else None, gamma_schedule=decoder.decoder_config.gamma_schedule,
                 verification=other)
         for g in gammas:
             configs[f"specdecode γ={g}, block verification"] = _our_runner(
                 target, lambda: DraftModelProposer(draft), g, new_tokens, sampling, verification="block")
     for width in tree_widths if draft is not None else ():
         configs[f"specdecode as configured, tree width {width}"] = _our_runner(
-            target, lambda width=width: decoder.proposer(draft, tree_width=width), decoder.num_speculative_tokens,
+            target, lambda width=width: proposers.for_pair(decoder.pair, decoder.decoder_config, decoder.plan.free_drafts, draft, width), decoder.num_speculative_tokens,
             new_tokens, sampling, decoder.guard_costs if sampling.greedy else None,
-            gamma_schedule=decoder.gamma_schedule)
+            gamma_schedule=decoder.decoder_config.gamma_schedule)
     if not headline:
         configs["prompt lookup alone"] = _our_runner(
             target, lambda: PromptLookupProposer(target.vocab_size), decoder.num_speculative_tokens, new_tokens, sampling)
@@ -292,7 +293,7 @@ LLAMA_TARGET = ("specdecode bench compares with transformers' generate on the sa
 def check_benchable(decoder) -> None:
     """Raises ValueError for a decoder bench cannot compare with transformers: an encoder–decoder
     pair (not supported yet) or a target on llama.cpp."""
-    if decoder.is_encoder_decoder:
+    if decoder.pair.is_encoder_decoder:
         raise ValueError("specdecode bench measures decoder-only pairs; encoder-decoder pairs are not supported yet")
     if not hasattr(decoder.target.backend, "model"):
         raise ValueError(LLAMA_TARGET)
@@ -318,7 +319,7 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
     from specdecode.measure.report import environment, fmt, markdown_table, write
 
     check_benchable(decoder)
-    prompts = [(task, decoder.encode(p.text, chat=None if p.chat else False))
+    prompts = [(task, decoder.requests.encode(p.text, chat=None if p.chat else False))
                for task in tasks for p in load_prompts(task, prompts_per_task)]
     max_k = max(gammas + [decoder.num_speculative_tokens]) + 1
     draft = decoder.draft.backend if decoder.draft is not None else None
@@ -330,9 +331,9 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
     best = theory(rows, costs, max_k)
 
     meta = environment(target=decoder.target.name, draft=decoder.draft.name if decoder.draft else None,
-                       dtype=str(decoder.dtype).removeprefix("torch."), temperature=sampling.temperature,
+                       dtype=str(decoder.pair.dtype).removeprefix("torch."), temperature=sampling.temperature,
                        tasks=",".join(tasks), prompts_per_task=prompts_per_task, new_tokens=new_tokens,
-                       repeats=repeats, verification=decoder.verification, tree_width=decoder.tree_width)
+                       repeats=repeats, verification=decoder.decoder_config.verification, tree_width=decoder.decoder_config.tree_width)
     body = [f"c = draft step / target step = {fmt(costs.get('c'), 3)} (target step {costs['target_step_s'] * 1000:.0f} ms"
             + (f", draft step {costs['draft_step_s'] * 1000:.0f} ms" if "draft_step_s" in costs else "") + "); "
             "verify cost r(k) = T(k tokens) / T(1 token): "
@@ -381,7 +382,7 @@ def bench_report(decoder, tasks: list[str], prompts_per_task: int, *, new_tokens
         # As configured: the decoder's proposer, γ, guard (greedy rows) and batch cost model
         batch = batch_throughput(decoder.target.backend, draft, [ids for _, ids in prompts], list(batch_sizes),
                                  new_tokens, decoder.num_speculative_tokens, sampling,
-                                 make_proposer=lambda: decoder.proposer(draft),
+                                 make_proposer=lambda: proposers.for_pair(decoder.pair, decoder.decoder_config, decoder.plan.free_drafts, draft),
                                  guard_costs=decoder.guard_costs if sampling.greedy else None,
                                  batch_guard=decoder.guard_costs is not None)
         body += ["", f"## Batches (the decoder as configured: γ ≤ {decoder.num_speculative_tokens}, its guard and "

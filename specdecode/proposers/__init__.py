@@ -42,3 +42,17 @@ def build_proposer(draft_backend, vocab_size: int, *, free_drafts: str | None = 
         return model
     free = (PromptLookupProposer if free_drafts == "ngram" else SuffixProposer)(vocab_size, device=device)
     return free if model is None else FallbackProposer(free, model)
+
+
+def for_pair(pair, config, free_drafts: str | None, draft_backend=None, tree_width: int | None = None
+             ) -> Proposer | None:
+    """The proposer of a decoder as configured: its loaded Pair (specdecode.models.pair), its
+    DecoderConfig and the planned free drafts; draft_backend replaces the draft's own (a benchmark
+    wraps it), tree_width the configured one (a benchmark compares them)."""
+    draft_backend = draft_backend or (pair.draft.backend if pair.draft is not None else None)
+    return build_proposer(draft_backend, pair.target.backend.vocab_size, free_drafts=free_drafts,
+                          confidence=config.draft_confidence,
+                          tokenizers=(pair.draft.tokenizer, pair.tokenizer) if pair.cross_vocab else None,
+                          device=pair.target.backend.device, cross_vocab=config.cross_vocab,
+                          tree_width=config.tree_width if tree_width is None else tree_width,
+                          tree_confidence=config.tree_confidence)
