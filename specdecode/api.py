@@ -12,14 +12,12 @@ from specdecode.config import DecoderConfig
 from specdecode.engine.driver import Driver
 from specdecode.engine.engine import Engine
 from specdecode.engine.stream import GenerationStream
-from specdecode.frontend.builder import RequestBuilder, generation_defaults, is_int
+from specdecode.frontend.builder import RequestBuilder, is_int
 from specdecode.models.loading import load_tokenizer
 from specdecode.models.pair import Pair, check_specs
 from specdecode.progress import default as default_progress
 from specdecode.sampling import SamplingParams
 from specdecode.tune.report import configuration, starting_guard_costs
-
-__all__ = ["SpeculativeDecoder", "GenerationStream"]
 
 
 class SpeculativeDecoder:
@@ -76,13 +74,9 @@ class SpeculativeDecoder:
         self.num_speculative_tokens, self.eos_token_ids = self.plan.gamma, self.pair.eos_token_ids
         self.guard_costs = starting_guard_costs(config, self.plan, self.pair, progress)
         # the request path's own tokenizer: requests are built in other threads than the engine's
-        # (a GGUF file on llama.cpp has no transformers generation_config: nothing to apply)
-        defaults = generation_defaults(getattr(self.target.backend, "model", None)) \
-            if config.use_generation_config else {}
         self.requests = RequestBuilder(copy.deepcopy(self.tokenizer), self.target.backend, self.eos_token_ids,
                                        decoder=config, num_speculative_tokens=self.num_speculative_tokens,
-                                       guard_costs=self.guard_costs, defaults=defaults,
-                                       is_encoder_decoder=self.pair.is_encoder_decoder)
+                                       guard_costs=self.guard_costs, is_encoder_decoder=self.pair.is_encoder_decoder)
         self.engine = Engine(self.target.backend, proposers.for_pair(self.pair, config, self.plan.free_drafts),
                              self.tokenizer, config.max_batch_size,
                              batch_guard=self.guard_costs is not None and self.draft is not None,
@@ -122,13 +116,11 @@ class SpeculativeDecoder:
             n: choices per prompt (1..16), decoded together as rows of one batch: a list of n
                 results (a list of such lists for a list of prompts); with a seed s, choice i
                 is seeded s + i.
-            logits_processors: callables with transformers' LogitsProcessor signature,
-                processor(input_ids [1, T] int64, scores [1, V] float32) -> scores, applied after
-                the penalties to the target's and the draft's logits at every position, drafted
-                ones included: a processor must be a function of its arguments.
-            response_format: OpenAI's {"type": "json_schema", "json_schema": {"schema": {...}}},
-                {"type": "json_object"} or {"type": "text"}: the output follows it.
-            grammar: instead of response_format, a GBNF grammar (`root ::= ...`) or "regex:PATTERN".
+            logits_processors: transformers LogitsProcessors, processor(input_ids [1, T] int64,
+                scores [1, V] float32) -> scores, after the penalties, on the target's and the
+                draft's logits at every position, drafted ones too (so a function of its arguments).
+            response_format: OpenAI's ({"type": "json_schema" | "json_object" | "text", ...}), or
+                grammar: a GBNF grammar (`root ::= ...`) or "regex:PATTERN": the output follows it.
             lenience: l in (0, 1]; 1 (default) is exact. l < 1 is LOSSY (paper A.5): no token
                 gets more than p(x)/l; it marks result.stats.lossy.
         Returns:
@@ -149,13 +141,7 @@ class SpeculativeDecoder:
         if not is_batch and n == 1:
             request_id = self.driver.submit(requests[0], keep_events=stream)
             return GenerationStream(self.driver, request_id) if stream else self.driver.result(request_id)
-        results = [None] * len(requests)
-
-        def finish(index, done, _):
-            results[index] = done[0]
-
-        self.driver.decode_all(range(len(requests)), lambda i: ([requests[i]], None), finish,
-                               batch_size or len(requests))
+        results = self.driver.run_all(requests, batch_size or len(requests))
         if n == 1:
             return results
         grouped = [results[i:i + n] for i in range(0, len(results), n)]

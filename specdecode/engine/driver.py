@@ -136,6 +136,17 @@ class Driver:
         """Abort the request at the next step (safe from any thread, also a finalizer)."""
         self._abandoned.append(request_id)
 
+    def run_all(self, requests: list, batch_size: int) -> list:
+        """The GenerationResult of each request, in order, with at most batch_size of them in the
+        engine at once (a new one joins as one finishes)."""
+        results = [None] * len(requests)
+
+        def finish(index, done, _):
+            results[index] = done[0]
+
+        self.decode_all(range(len(requests)), lambda i: ([requests[i]], None), finish, batch_size)
+        return results
+
     def decode_all(self, items: Iterable, build: Callable, finish: Callable, batch_size: int) -> None:
         """Decode many items with at most batch_size requests in the engine; the next item joins
         as room frees. build(item) → (list of Requests, context), or None to skip the item (the

@@ -93,7 +93,8 @@ class RequestBuilder:
             its check_lenience rule).
         num_speculative_tokens: γ_max of every request (the tuned one; a server body may lower it).
         guard_costs: (c, slope[, base]) for requests the guard may pause, or None.
-        defaults: generation_defaults() of the target ({} to ignore its generation_config).
+        defaults: the target's generation_config defaults to apply (None: generation_defaults() of
+            the target's model where decoder.use_generation_config, else none).
         is_encoder_decoder: the prompt is the encoder's input (paper §4.1).
 
     Thread-safe: the server builds requests in worker threads while the engine thread runs, so
@@ -106,7 +107,9 @@ class RequestBuilder:
                  defaults: dict | None = None, is_encoder_decoder: bool = False):
         self.tokenizer, self.target, self.eos_token_ids = tokenizer, target, eos_token_ids
         self.decoder, self.num_speculative_tokens, self.guard_costs = decoder, num_speculative_tokens, guard_costs
-        self.defaults = defaults or {}
+        # a GGUF file on llama.cpp has no transformers generation_config: nothing to apply
+        self.defaults = defaults if defaults is not None else generation_defaults(getattr(target, "model", None)) \
+            if decoder.use_generation_config else {}
         self.is_encoder_decoder = is_encoder_decoder
         self._grammar_compiler = None
         self._lock = threading.RLock()
