@@ -16,8 +16,6 @@ import statistics
 import sys
 import time
 
-import torch
-
 from specdecode import SpeculativeDecoder
 from specdecode.measure.report import environment, fmt, markdown_table, write
 from specdecode.models import HFCausalLM

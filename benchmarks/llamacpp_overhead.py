@@ -17,6 +17,7 @@ from llamacpp_backend import RawLlama  # noqa: E402
 
 from specdecode import SamplingParams, SpeculativeDecoder  # noqa: E402
 from specdecode.models import llamacpp, zoo  # noqa: E402
+from specdecode.models.repack_probe import repack_works  # noqa: E402
 from specdecode.tune.hardware import cpu_report, describe  # noqa: E402
 
 NEW_TOKENS = 40
@@ -28,7 +29,7 @@ def main() -> None:
     decoder = SpeculativeDecoder("default", None, dtype="gguf", free_drafts="off", guard=False)
     ids = decoder.requests.encode("Write a short story about a lighthouse keeper who finds a message in a bottle. " * 3,
                          chat=False)
-    raw = RawLlama(source, 4096, torch.get_num_threads(), repack=llamacpp.repack_works(source))
+    raw = RawLlama(source, 4096, torch.get_num_threads(), repack=repack_works(source))
     greedy = SamplingParams(temperature=0, ignore_eos=True)
     for threads in (2, 1, 2):
         torch.set_num_threads(threads)

@@ -27,6 +27,7 @@ import torch
 
 from specdecode import native
 from specdecode.models import HFCausalLM, kquant, llamacpp, zoo
+from specdecode.models.gguf_convert import converted_gguf
 from specdecode.models.gguf_files import TensorTable
 from specdecode.models.kernels import without_onednn
 from specdecode.tune.candidates import memory_bandwidth_gbs
@@ -90,7 +91,7 @@ def forwards(sizes: list[int], repeats: int, llama: bool) -> dict:
     backends = {"bfloat16": HFCausalLM(model), "bfloat16-invariant": HFCausalLM(model)}
     backends["bfloat16-invariant"].use_invariant_forward(share=True)
     if llama and llamacpp.available():
-        bf16_gguf = llamacpp.converted_gguf(zoo.gguf_file(zoo.DEFAULT_TARGET), "bf16")
+        bf16_gguf = converted_gguf(zoo.gguf_file(zoo.DEFAULT_TARGET), "bf16")
         backends["llama.cpp-bf16"] = llamacpp.LlamaCppLM(bf16_gguf, max_rows=1)
     context = [(100 + i * 7919) % 30000 for i in range(64)]
     with torch.inference_mode():

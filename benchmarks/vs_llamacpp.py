@@ -41,6 +41,8 @@ from llamacpp_backend import RawLlama  # noqa: E402
 from specdecode import SamplingParams, SpeculativeDecoder  # noqa: E402
 from specdecode.measure.data import humaneval_prompts, load_prompts  # noqa: E402
 from specdecode.models import llamacpp, zoo  # noqa: E402
+from specdecode.models.gguf_convert import converted_gguf  # noqa: E402
+from specdecode.models.repack_probe import repack_works  # noqa: E402
 from specdecode.proposers.fallback import find_proposer  # noqa: E402
 from specdecode.proposers.suffix import SuffixProposer  # noqa: E402
 from specdecode.tune.hardware import cpu_report, describe  # noqa: E402
@@ -126,7 +128,7 @@ def main() -> None:
     say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     threads = torch.get_num_threads()
     source = zoo.gguf_file(zoo.DEFAULT_TARGET, say)
-    bf16 = llamacpp.converted_gguf(source, "bf16", say)
+    bf16 = converted_gguf(source, "bf16", say)
     runners, decoders = {}, {}
     for name, options in (("specdecode auto", {}), ("specdecode torch", dict(dtype="bfloat16")),
                           ("specdecode gguf", dict(dtype="gguf"))):
@@ -135,7 +137,7 @@ def main() -> None:
             runners[name] = lambda p, decoder=decoders[name]: ours(decoder, p, args.new_tokens, args.repeats > 1)
     for name, path in (("llama.cpp BF16 plain", bf16), ("llama.cpp Q4_K_M plain", source)):
         if name in systems:
-            raw = RawLlama(path, 4096, threads, repack=llamacpp.repack_works(path))
+            raw = RawLlama(path, 4096, threads, repack=repack_works(path))
             runners[name] = lambda p, raw=raw: raw.greedy(p, args.new_tokens)
     if "transformers" in systems:
         model = zoo.load_zoo_model(zoo.DEFAULT_TARGET, torch.bfloat16, say)[0]
@@ -160,7 +162,7 @@ def main() -> None:
                 results.setdefault(workload, {}).setdefault(name, []).append(record)
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": cpu_report(),
               "llama_cpp": {"version": __import__("llama_cpp").__version__, "system_info": llamacpp.system_info(),
-                            "repack": {"bf16": llamacpp.repack_works(bf16), "q4_k_m": llamacpp.repack_works(source)}},
+                            "repack": {"bf16": repack_works(bf16), "q4_k_m": repack_works(source)}},
               "command": " ".join(sys.argv), "new_tokens": args.new_tokens, "threads": threads,
               "repeats": args.repeats,
               "configurations": {name: decoder.configuration() for name, decoder in decoders.items()},

@@ -89,12 +89,8 @@ def module_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gguf(tmp_path_factory):
     """{"target", "draft"}: paths of tiny random Qwen2-architecture F32 GGUF files (the draft a
-    perturbed target), built by benchmarks/llamacpp_backend.py for the requesting module."""
-    import sys
-    from pathlib import Path
+    perturbed target), built by specdecode.models.tiny_gguf for the requesting module."""
+    from specdecode.models.tiny_gguf import build_tiny
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import llamacpp_backend
-
-    return {name: str(path) for name, path in llamacpp_backend.build_tiny(tmp_path_factory.mktemp("gguf")).items()}
+    return {name: str(path) for name, path in build_tiny(tmp_path_factory.mktemp("gguf")).items()}
 

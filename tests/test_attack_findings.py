@@ -1,5 +1,5 @@
 """Bugs found by a hostile pass over DecoderConfig, the llama.cpp backend, the CLI and the server
-on tiny random GGUF files (benchmarks/llamacpp_backend.py's builder). Each test failed until its
+on tiny random GGUF files (specdecode.models.tiny_gguf's builder). Each test failed until its
 bug was fixed."""
 
 import argparse
@@ -13,15 +13,13 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="the llama.cpp backend needs llama-cpp-python==0.3.36")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import llamacpp_backend  # noqa: E402
-
 from specdecode import SpeculativeDecoder  # noqa: E402
 from specdecode.cli import main  # noqa: E402
 from specdecode.cli.common import as_flags, served_name  # noqa: E402
 from specdecode.config import DecoderConfig  # noqa: E402
 from specdecode.models.llamacpp import LlamaCppLM  # noqa: E402
 from specdecode.models.loading import check_model_spec  # noqa: E402
+from specdecode.models.tiny_gguf import build_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,7 +57,7 @@ def test_a_failed_llamacpp_load_leaves_no_error_in_del(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError):
         LlamaCppLM(tmp_path / "missing.gguf")
     with pytest.raises(ValueError):
-        LlamaCppLM(llamacpp_backend.build_tiny(tmp_path)["target"], n_ctx=0)
+        LlamaCppLM(build_tiny(tmp_path)["target"], n_ctx=0)
     gc.collect()
     assert [repr(u.exc_value) for u in unraisable] == []
 

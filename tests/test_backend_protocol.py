@@ -3,15 +3,14 @@ calls exist, and rows behave as the protocol says: joining rows read alone, ragg
 right-aligned logits, a row's logits independent of the other rows (within the backend's own
 rounding), rollback by truncate, select keeping rows in order, reset."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from helpers import tiny_llama, tiny_t5
 from specdecode import native
 from specdecode.models import Backend, DecoderBackend, HFCausalLM, Seq2SeqLM, TableModel, TreeBackend, llamacpp
+from specdecode.models.gguf_convert import converted_gguf
+from specdecode.models.tiny_gguf import tiny_qwen2, tiny_vocabulary, write_gguf
 
 PREFIX, OTHER = [5, 17, 33, 2, 8], [9, 44, 2]
 
@@ -19,14 +18,10 @@ PREFIX, OTHER = [5, 17, 33, 2, 8], [9, 44, 2]
 @pytest.fixture(scope="module")
 def tiny_ggufs(tmp_path_factory, module_cache):
     """{"f32": a tiny Qwen2 F32 GGUF, "q4_k_m": llama.cpp's Q4_K_M of it (hidden 256)}."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import llamacpp_backend
-
     root = tmp_path_factory.mktemp("protocol")
-    tokens, merges = llamacpp_backend.tiny_vocabulary(320)
-    llamacpp_backend.write_gguf(llamacpp_backend.tiny_qwen2(5, len(tokens), hidden=256), tokens, merges,
-                                root / "tiny-f32.gguf")
-    return {"f32": root / "tiny-f32.gguf", "q4_k_m": llamacpp.converted_gguf(root / "tiny-f32.gguf", "q4_k_m")}
+    tokens, merges = tiny_vocabulary(320)
+    write_gguf(tiny_qwen2(5, len(tokens), hidden=256), tokens, merges, root / "tiny-f32.gguf")
+    return {"f32": root / "tiny-f32.gguf", "q4_k_m": converted_gguf(root / "tiny-f32.gguf", "q4_k_m")}
 
 
 def _hf():

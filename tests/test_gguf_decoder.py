@@ -1,7 +1,7 @@
 """GGUF files through the facade and the CLI: SpeculativeDecoder(target="x.gguf", ...) on the
 llama.cpp backend (dtype="gguf": the file's own numbers; backend="llama.cpp": a converted BF16 or
 F32 file), what configuration() reports, what is refused, and dtype="auto" timing llama.cpp
-candidates beside torch's. Tiny random Qwen2-architecture GGUFs (benchmarks/llamacpp_backend.py's
+candidates beside torch's. Tiny random Qwen2-architecture GGUFs (specdecode.models.tiny_gguf's
 builder); the backend itself is tested in test_llamacpp.py."""
 
 import json

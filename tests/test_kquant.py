@@ -5,9 +5,6 @@ dequantized model's and to llama.cpp's on the same file, and bit for bit the sam
 alone, in a k-token verify or in a prompt read: greedy speculative output equals plain greedy output.
 A negative control (a product that rounds several rows differently) fails the same check."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,6 +13,8 @@ from specdecode import native
 from specdecode.engine.driver import run
 from specdecode.engine.request import DecodeConfig
 from specdecode.models import HFCausalLM, llamacpp
+from specdecode.models.gguf_convert import converted_gguf
+from specdecode.models.tiny_gguf import tiny_qwen2, tiny_vocabulary, write_gguf
 from specdecode.proposers import DraftModelProposer
 from specdecode.sampling import SamplingParams
 
@@ -30,14 +29,11 @@ TOKENS = [9, 44, 2, 2, 90, 13, 7, 61, 5]
 def files(tmp_path_factory, module_cache):
     """{"f32": the tiny model as an F32 GGUF, "q4_k_m": llama.cpp's Q4_K_M of it, "model": the float32
     transformers model it was written from}."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import llamacpp_backend
-
     root = tmp_path_factory.mktemp("kquant")
-    tokens, merges = llamacpp_backend.tiny_vocabulary(320)
-    model = llamacpp_backend.tiny_qwen2(3, len(tokens), hidden=256)
-    llamacpp_backend.write_gguf(model, tokens, merges, root / "tiny-f32.gguf")
-    return {"f32": root / "tiny-f32.gguf", "q4_k_m": llamacpp.converted_gguf(root / "tiny-f32.gguf", "q4_k_m"),
+    tokens, merges = tiny_vocabulary(320)
+    model = tiny_qwen2(3, len(tokens), hidden=256)
+    write_gguf(model, tokens, merges, root / "tiny-f32.gguf")
+    return {"f32": root / "tiny-f32.gguf", "q4_k_m": converted_gguf(root / "tiny-f32.gguf", "q4_k_m"),
             "model": model}
 
 
@@ -189,11 +185,10 @@ def test_a_file_without_an_output_matrix_is_dequantized_with_the_head_tied(files
     never an uninitialized one, and the logits are transformers' own."""
     from transformers import AutoModelForCausalLM
 
-    import llamacpp_backend
     from specdecode.models.gguf_files import dequantized_model
 
-    tokens, merges = llamacpp_backend.tiny_vocabulary(320)
-    llamacpp_backend.write_gguf(files["model"], tokens, merges, tmp_path / "tied.gguf", tied=True)
+    tokens, merges = tiny_vocabulary(320)
+    write_gguf(files["model"], tokens, merges, tmp_path / "tied.gguf", tied=True)
     ours = dequantized_model(tmp_path / "tied.gguf", torch.float32)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tied.gguf", dtype=torch.float32)
     assert ours.config.tie_word_embeddings and ours.lm_head.weight is ours.model.embed_tokens.weight

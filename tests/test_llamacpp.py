@@ -1,6 +1,6 @@
 """The llama.cpp backend (specdecode.models.llamacpp) on tiny random GGUF files written here with
 the gguf package (a 2-layer Qwen2-architecture pair with a byte-level BPE tokenizer,
-benchmarks/llamacpp_backend.py's builder): its logits against transformers' float32 forward of
+specdecode.models.tiny_gguf's builder): its logits against transformers' float32 forward of
 the same weights, k-token calls against one-token calls per weight type, rollback and row
 selection, the engine's invariants (caches hold the committed prefix, greedy equality, seeded
 repeats) and the output distribution by chi-square with a negative control."""
@@ -14,16 +14,15 @@ import torch
 
 pytest.importorskip("llama_cpp", reason="the llama.cpp backend needs llama-cpp-python==0.3.36")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import llamacpp_backend  # noqa: E402
-
 from helpers import MislabelledProposer, chi2_pvalue  # noqa: E402
 from specdecode.engine.driver import Driver, run, run_all  # noqa: E402
 from specdecode.engine.engine import Engine  # noqa: E402
 from specdecode.engine.request import DecodeConfig, Request  # noqa: E402
 from specdecode.models import HFCausalLM  # noqa: E402
-from specdecode.models import llamacpp  # noqa: E402
-from specdecode.models.llamacpp import LlamaCppLM, converted_gguf, load_gguf, quantize_gguf  # noqa: E402
+from specdecode.models import gguf_convert, llamacpp  # noqa: E402
+from specdecode.models.gguf_convert import converted_gguf, quantize_gguf  # noqa: E402
+from specdecode.models.llamacpp import LlamaCppLM, load_gguf  # noqa: E402
+from specdecode.models.tiny_gguf import build_tiny, tiny_qwen2, tiny_vocabulary, write_gguf  # noqa: E402
 from specdecode.proposers import DraftModelProposer  # noqa: E402
 from specdecode.sampling import SamplingParams, adjust  # noqa: E402
 
@@ -43,7 +42,7 @@ def files(tmp_path_factory, cache):
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("gguf")
-    paths = dict(llamacpp_backend.build_tiny(root))
+    paths = dict(build_tiny(root))
     paths["q8_0"] = root / "tiny-target-q8_0.gguf"
     quantize_gguf(paths["target"], paths["q8_0"], "q8_0")
     paths["bf16"] = converted_gguf(paths["target"], "bf16")
@@ -453,7 +452,7 @@ def test_bf16_gguf_converts_once_through_a_temporary_file_and_reuses_it(files, t
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     first = converted_gguf(paths["q8_0"], "bf16")
     assert first.parent == tmp_path / "gguf" and not list(first.parent.glob("*.partial"))
-    monkeypatch.setattr(llamacpp, "quantize_gguf", lambda *a: pytest.fail("converted twice"))
+    monkeypatch.setattr(gguf_convert, "quantize_gguf", lambda *a: pytest.fail("converted twice"))
     assert converted_gguf(paths["q8_0"], "bf16") == first
     assert LlamaCppLM(first, n_threads=1).metadata("general.file_type") == "32"  # MOSTLY_BF16
 
@@ -467,9 +466,9 @@ def test_bf16_gguf_holds_the_same_bfloat16_weights_transformers_dequantizes_a_q4
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-    tokens, merges = llamacpp_backend.tiny_vocabulary()
+    tokens, merges = tiny_vocabulary()
     f32, q4 = tmp_path / "wide-f32.gguf", tmp_path / "wide-q4_k_m.gguf"
-    llamacpp_backend.write_gguf(llamacpp_backend.tiny_qwen2(3, len(tokens), layers=1, hidden=256), tokens, merges, f32)
+    write_gguf(tiny_qwen2(3, len(tokens), layers=1, hidden=256), tokens, merges, f32)
     quantize_gguf(f32, q4, "q4_k_m")
     converted = gguf.GGUFReader(converted_gguf(q4, "bf16"))
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=q4.name, dtype=torch.bfloat16)

@@ -5,7 +5,9 @@ only these members; tests/test_backend_protocol.py runs one set of checks on eve
 Backends: models.hf.HFCausalLM (transformers decoder-only models, on torch's kernels or the
 batch-invariant ones, a GGUF file's own K-quant blocks included), models.seq2seq.Seq2SeqLM
 (encoder–decoder models), models.llamacpp.LlamaCppLM (GGUF files on llama.cpp),
-models.table.TableModel (tables, for exact tests).
+models.table.TableModel (tables, for exact tests). The argument checks they share (a row to fill,
+feeds, rollback lengths, token trees and the paths kept of them) are the functions below, so every
+backend refuses the same calls with the same messages.
 """
 
 from __future__ import annotations
@@ -80,3 +82,60 @@ class TreeBackend(DecoderBackend, Protocol):
 
     def keep_tree_paths(self, paths: list[list[int] | None]) -> None:
         """Per row, the tree nodes (in order) to keep as its tokens; None keeps the row as fed."""
+
+
+# --- the argument checks every backend makes -------------------------------------------------------
+
+
+def check_empty_row(row: int, held: int) -> None:
+    """Raises ValueError where row `row`, to be filled, already holds `held` tokens."""
+    if held != 0:
+        raise ValueError(f"row {row} holds {held} tokens; only an empty row can be filled")
+
+
+def check_feeds(feeds, num_rows: int, num_logits: int | None = None) -> None:
+    """Raises ValueError unless feeds has one token list per row (num_rows) and not every one is
+    empty; num_logits, where given (a backend that fills exactly that many positions per row), must
+    be >= 1 too."""
+    lengths = [len(f) for f in feeds]
+    if num_logits is None:
+        if len(lengths) != num_rows or not any(lengths):
+            raise ValueError(f"need {num_rows} feeds, not all empty; got lengths {lengths}")
+    elif len(lengths) != num_rows or not any(lengths) or num_logits < 1:
+        raise ValueError(f"need {num_rows} feeds, not all empty, and num_logits >= 1; got lengths {lengths}, "
+                         f"num_logits {num_logits}")
+
+
+def check_truncate(lengths, held: list[int]) -> list[int]:
+    """lengths as ints, one per row, each within 0 .. the tokens its row holds (held[b]).
+
+    Raises:
+        ValueError: another number of lengths than rows, or a length out of that range.
+    """
+    lengths = [int(n) for n in lengths]
+    if len(lengths) != len(held) or any(not 0 <= n <= h for n, h in zip(lengths, held)):
+        raise ValueError(f"cannot truncate rows holding {list(held)} tokens to {lengths}")
+    return lengths
+
+
+def check_tree(row: int, parents: list[int], feed_length: int) -> None:
+    """Raises ValueError unless every parent is -1 (the token before the tree) or an earlier node,
+    and the tree's len(parents) nodes fit in row `row`'s feed of feed_length tokens."""
+    if any(not -1 <= parent < i for i, parent in enumerate(parents)):
+        raise ValueError(f"row {row}: every parent must be -1 or an earlier node, got {list(parents)}")
+    if len(parents) > feed_length:
+        raise ValueError(f"row {row}: a tree of {len(parents)} nodes in a feed of {feed_length} tokens")
+
+
+def check_tree_paths(paths: list[list[int] | None], trees: list[list[int] | None] | None) -> None:
+    """Raises ValueError unless paths (keep_tree_paths') follow a tree forward (trees: per row, the
+    parents of its tree or None; None: no tree forward just before) with one entry per row, and
+    each row with a tree keeps a root-to-node path of it (possibly empty)."""
+    if trees is None or len(paths) != len(trees):
+        raise ValueError("keep_tree_paths needs the tree forward just before it, one entry per row")
+    for b, (parents, path) in enumerate(zip(trees, paths)):
+        if parents is None:
+            continue
+        if path is None or any(not 0 <= node < len(parents) or parents[node] != (path[j - 1] if j else -1)
+                               for j, node in enumerate(path)):
+            raise ValueError(f"row {b}: {path} is not a path from the root of its tree (parents {parents})")

@@ -1,6 +1,6 @@
 """What a GGUF file describes besides its tensors, read once and cached: its transformers tokenizer
 and config (both slow to build from the file's metadata: the vocabulary is read whole), keyed by
-the file's path, size and modification time."""
+the file's path, size and modification time; its header checked, and its tensor table read."""
 
 from __future__ import annotations
 
@@ -17,6 +17,15 @@ def file_key(path: Path) -> str:
     changes when the file does."""
     stat = path.stat()
     return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+
+
+def check_gguf_header(path) -> None:
+    """Raises ValueError where path does not start as a GGUF file does (b"GGUF", version 2 or 3):
+    an empty, damaged or renamed file is refused before any model loads."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8 or head[:4] != b"GGUF" or int.from_bytes(head[4:], "little") not in (2, 3):
+        raise ValueError(f"{str(path)!r} is not a GGUF file (it does not start with a GGUF v2/v3 header)")
 
 
 def _cached(kind: str, path: Path, build, load):

@@ -28,6 +28,7 @@ from typing import Iterator
 import torch
 
 from specdecode.models import lean as lean_decoder
+from specdecode.models.backend import check_empty_row, check_feeds, check_tree, check_tree_paths, check_truncate
 from specdecode.models.kernels import without_onednn
 from specdecode.models.quant import QUANTIZED_LINEAR
 
@@ -236,8 +237,7 @@ class HFCausalLM:
         Raises:
             ValueError: the row already holds tokens.
         """
-        if int(self._lengths[row]) != 0:
-            raise ValueError(f"row {row} holds {int(self._lengths[row])} tokens; only an empty row can be filled")
+        check_empty_row(row, int(self._lengths[row]))
         n = len(ids)
         if n == 0:
             return
@@ -309,9 +309,8 @@ class HFCausalLM:
         Raises:
             ValueError: len(feeds) differs from the number of rows, or every feed is empty.
         """
-        batch, width = len(feeds), max((len(f) for f in feeds), default=0)
-        if batch != self.num_rows or width == 0:
-            raise ValueError(f"need {self.num_rows} feeds, not all empty; got lengths {[len(f) for f in feeds]}")
+        check_feeds(feeds, self.num_rows)
+        batch, width = len(feeds), max(len(f) for f in feeds)
         trees = trees if trees is not None and any(t is not None for t in trees) else None
         if trees is not None and self.sliding:
             raise ValueError(f"{type(self.model).__name__} uses sliding-window attention, which counts slots: "
@@ -360,17 +359,14 @@ class HFCausalLM:
             if parents is None:
                 blocks.append(None)
                 continue
+            check_tree(b, parents, feed_lengths[b])
             n = len(parents)
-            if any(not -1 <= parent < i for i, parent in enumerate(parents)):
-                raise ValueError(f"every parent must be -1 or an earlier node, got {parents}")
             sees = torch.eye(n, dtype=torch.bool)
             depth = [0] * n
             for i, parent in enumerate(parents):
                 if parent >= 0:
                     sees[i] |= sees[parent]
                     depth[i] = depth[parent] + 1
-            if n > feed_lengths[b]:
-                raise ValueError(f"row {b}: a tree of {n} nodes in a feed of {feed_lengths[b]} tokens")
             positions[b, width - n:] = self._lengths[b] + feed_lengths[b] - n + torch.tensor(depth, device=self.device)
             blocks.append((width - n, sees.to(self.device)))
         return blocks
@@ -385,15 +381,11 @@ class HFCausalLM:
             ValueError: no tree forward came just before, a tree row given None, or a path that
                 is not a root-to-node path of its tree.
         """
-        if self._trees is None or len(paths) != len(self._trees):
-            raise ValueError("keep_tree_paths needs the tree forward just before it, one entry per row")
+        check_tree_paths(paths, None if self._trees is None else [None if t is None else t[1] for t in self._trees])
         for b, (tree, path) in enumerate(zip(self._trees, paths)):
             if tree is None:
                 continue
             first, parents = tree
-            if path is None or any(not 0 <= node < len(parents) or parents[node] != (path[j - 1] if j else -1)
-                                   for j, node in enumerate(path)):
-                raise ValueError(f"row {b}: {path} is not a path from the root of its tree (parents {parents})")
             self._move_path(b, [first + i for i in path], first)
             self.valid[b, first:first + len(parents)] = False
             self.valid[b, first:first + len(path)] = True
@@ -436,9 +428,7 @@ class HFCausalLM:
         Raises:
             ValueError: a length beyond what the row holds.
         """
-        new = torch.as_tensor(lengths, dtype=torch.long, device=self.device)
-        if new.shape != self._lengths.shape or bool((new > self._lengths).any()) or bool((new < 0).any()):
-            raise ValueError(f"cannot truncate rows holding {self.lengths} tokens to {list(lengths)}")
+        new = torch.tensor(check_truncate(lengths, self.lengths), dtype=torch.long, device=self.device)
         self.valid = self.valid & (self.valid.long().cumsum(1) <= new[:, None])
         self._lengths = new
         self._reclaim()

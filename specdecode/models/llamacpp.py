@@ -16,27 +16,29 @@ and bit-equality between a k-token and a one-token call: its matrix kernels diff
 2+ and 4+ rows (as torch's bfloat16 ones do), so a token's logits depend on how many tokens the
 call scored (tests/test_llamacpp.py states the tolerance per weight type).
 
-Every foreign call lives in this module, against llama-cpp-python 0.3.36 (checked when the
-library is first used: `library()`).
+Every foreign call of the backend lives in this module, against llama-cpp-python 0.3.36 (checked
+when the library is first used: `library()`, which gguf_convert.py's weight conversions go through
+too). Whether llama.cpp's repacked weight layouts run on this machine is repack_probe.py's
+question, asked in a child process.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 import sys
-import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 
-from specdecode.models.gguf_files import file_key, gguf_tokenizer  # noqa: F401 (gguf_tokenizer: public here too)
+from specdecode.models.backend import check_empty_row, check_feeds, check_truncate
+from specdecode.models.gguf_files import check_gguf_header, gguf_tokenizer
+from specdecode.models.repack_probe import repack_works
 
 PINNED = "llama-cpp-python==0.3.36"
-# every function of the C API this module calls: a missing one is an ImportError at first use
+# every function of the C API this module and gguf_convert.py call: a missing one is an ImportError at
+# first use
 REQUIRED = (
     "llama_backend_init", "llama_log_set", "llama_print_system_info",
     "llama_model_default_params", "llama_model_load_from_file", "llama_model_free", "llama_model_get_vocab",
@@ -49,8 +51,6 @@ REQUIRED = (
 LOG_ERROR, LOG_CONT = 4, 5  # ggml_log_level: errors, and the continuation of the previous message
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml_type of the KV cache
 FLASH_ATTN = {None: -1, False: 0, True: 1}   # llama_flash_attn_type: auto, off, on
-# llama_ftype of a converted file (1-D tensors, norms and biases, stay F32 in every one)
-FTYPES = {"f32": 0, "f16": 1, "q8_0": 7, "q4_k_m": 15, "bf16": 32}
 
 _lib = None
 _log_callback = None  # the ctypes callback must outlive every llama.cpp call that may log
@@ -126,15 +126,6 @@ class _Batch:
         self.struct.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         self.struct.seq_id = ctypes.cast(self.seq_ptrs, ctypes.POINTER(int_p))
         self.struct.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
-
-
-def check_gguf_header(path) -> None:
-    """Raises ValueError where path does not start as a GGUF file does (b"GGUF", version 2 or 3):
-    an empty, damaged or renamed file is refused before any model loads."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if len(head) < 8 or head[:4] != b"GGUF" or int.from_bytes(head[4:], "little") not in (2, 3):
-        raise ValueError(f"{str(path)!r} is not a GGUF file (it does not start with a GGUF v2/v3 header)")
 
 
 class LlamaCppLM:
@@ -334,8 +325,7 @@ class LlamaCppLM:
         Raises:
             ValueError: the row already holds tokens.
         """
-        if self._lengths[row] != 0:
-            raise ValueError(f"row {row} holds {self._lengths[row]} tokens; only an empty row can be filled")
+        check_empty_row(row, self._lengths[row])
         ids = [int(t) for t in ids]
         if not ids:
             return
@@ -350,9 +340,7 @@ class LlamaCppLM:
             ValueError: a length beyond what the row holds, or one length per row not given.
             RuntimeError: llama.cpp refused to remove the positions (llama_memory_seq_rm).
         """
-        lengths = [int(n) for n in lengths]
-        if len(lengths) != self.num_rows or any(not 0 <= n <= held for n, held in zip(lengths, self._lengths)):
-            raise ValueError(f"cannot truncate rows holding {self.lengths} tokens to {lengths}")
+        lengths = check_truncate(lengths, self._lengths)
         for b, (n, held) in enumerate(zip(lengths, self._lengths)):
             if n < held:
                 self._remove(self._seqs[b], n)
@@ -400,9 +388,7 @@ class LlamaCppLM:
         if trees is not None and any(t is not None for t in trees):
             raise ValueError("token trees need a custom attention mask, which llama.cpp's API lacks: "
                              "use tree_width=1 with a GGUF model")
-        if len(feeds) != self.num_rows or not any(len(f) for f in feeds) or num_logits < 1:
-            raise ValueError(f"need {self.num_rows} feeds, not all empty, and num_logits >= 1; got lengths "
-                             f"{[len(f) for f in feeds]}, num_logits {num_logits}")
+        check_feeds(feeds, self.num_rows, num_logits)
         out = torch.empty((len(feeds), num_logits, self.vocab_size), dtype=torch.float32)
         for b, feed in enumerate(feeds):
             if len(feed) < num_logits:  # entries before a short row's logits: 0, never stale memory
@@ -509,63 +495,6 @@ class LlamaCppLM:
 
 # --- loading --------------------------------------------------------------------------------------------
 
-# a child process loads a file with repacked layouts and scores a few tokens, one call of one
-# token and one of several (the kernels differ): its exit status says whether they run here
-_REPACK_PROBE = """
-import sys
-from specdecode.models.llamacpp import LlamaCppLM
-lm = LlamaCppLM(sys.argv[1], repack=True, max_rows=1, n_ctx=256, grow=False)
-lm.add_row()
-lm.forward([[1, 2, 3, 4, 5, 6, 7, 8]], 8)
-lm.forward([[9]], 1)
-"""
-
-
-def repack_works(path, timeout_s: float = 600.0) -> bool:
-    """Whether llama.cpp's repacked weight layouts run `path`'s weights on this machine and build.
-
-    Why a child process: a repacked kernel that the CPU cannot run kills the process (SIGILL), as
-    llama.cpp's AMX kernels do in a native build by GCC 12 on an AMX CPU (the compiler drops the
-    tile configuration), and no Python handler can catch that. So the file is loaded once in a
-    child with repacking on; its exit status is the answer, cached per file (path, size, mtime),
-    llama-cpp-python build and CPU in the cache folder. A child that cannot finish in timeout_s
-    (a loaded machine) counts as "no" and is not cached.
-    """
-    import json
-    import subprocess
-
-    from specdecode.models.zoo import cache_dir
-
-    import llama_cpp
-
-    path = Path(path)
-    build = Path(llama_cpp.__file__).parent
-    libraries = sorted(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in build.rglob("*.so*"))
-    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-        flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    key = hashlib.sha256("\n".join([file_key(path), llama_cpp.__version__, *libraries, flags]).encode())
-    cached = cache_dir() / "llamacpp" / f"repack-{key.hexdigest()[:16]}.json"
-    try:
-        return bool(json.loads(cached.read_text(encoding="utf-8"))["works"])
-    except (OSError, ValueError, KeyError):
-        pass
-    try:
-        child = subprocess.run([sys.executable, "-c", _REPACK_PROBE, str(path)], capture_output=True,
-                               timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    except subprocess.TimeoutExpired:
-        return False
-    works = child.returncode == 0
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".partial")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"works": works, "file": path.name, "exit": child.returncode}, f)
-        os.replace(tmp, cached)
-    except OSError:  # a cache we cannot write costs the next load the probe again
-        pass
-    return works
-
-
 def load_gguf(path, **options) -> tuple[LlamaCppLM, object]:
     """A GGUF file → (llama.cpp backend, transformers tokenizer built from the same file).
 
@@ -586,60 +515,3 @@ def load_gguf(path, **options) -> tuple[LlamaCppLM, object]:
         raise ValueError(f"{Path(path).name}: transformers and llama.cpp tokenize {probe!r} differently "
                          f"({ours} vs {backend.tokenize(probe)})")
     return backend, tokenizer
-
-
-def converted_gguf(source_path, kind: str, progress: Callable[[str], None] | None = None) -> Path:
-    """The GGUF file with source_path's weights stored as `kind` ("bf16", "f32", ... : FTYPES),
-    converted once by llama.cpp's own quantize tool (llama_model_quantize, requantizing allowed: a
-    Q4_K_M file is dequantized and each weight rounded to bfloat16 for "bf16"; 1-D tensors such as
-    norms and biases stay float32) into the cache folder, written through a temporary file and an
-    atomic rename; later calls return the cached file. Its name carries a digest of the source's
-    path, size and modification time, so a changed source is converted again.
-
-    Raises:
-        ImportError: llama-cpp-python missing.  FileNotFoundError: no source file.
-        ValueError: unknown kind, or llama.cpp failed to convert it (a damaged file, no room on disk).
-    """
-    if kind not in FTYPES:
-        raise ValueError(f"unknown GGUF weight type {kind!r}; use one of {', '.join(FTYPES)}")
-    from specdecode.models.zoo import cache_dir
-
-    source = Path(source_path).resolve()
-    if not source.is_file():
-        raise FileNotFoundError(f"no GGUF file at {str(source)!r}")
-    out_dir = cache_dir() / "gguf"
-    target = out_dir / f"{source.stem}-{kind}-{file_key(source)}.gguf"
-    if target.is_file():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if progress:
-        progress(f"converting {source.name} to {kind.upper()} with llama.cpp (first run only)")
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=target.name, suffix=".partial")
-    os.close(fd)
-    try:
-        quantize_gguf(source, tmp, kind)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return target
-
-
-def quantize_gguf(source_path, dest_path, kind: str) -> None:
-    """Write source_path's model to dest_path with its weights as `kind` (a key of FTYPES: "f32",
-    "f16", "bf16", "q8_0", "q4_k_m"), with llama.cpp's own quantize (llama_model_quantize;
-    requantizing a quantized source allowed: it is dequantized first).
-
-    Raises:
-        ValueError: unknown kind, or llama.cpp failed (its error is on stderr).
-    """
-    if kind not in FTYPES:
-        raise ValueError(f"unknown GGUF weight type {kind!r}; use one of {', '.join(FTYPES)}")
-    lib = library()
-    params = lib.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize = FTYPES[kind], True
-    params.nthread = torch.get_num_threads()
-    code = lib.llama_model_quantize(str(source_path).encode(), str(dest_path).encode(), ctypes.byref(params))
-    if code != 0:
-        raise ValueError(f"llama.cpp could not convert {Path(source_path).name} to {kind} "
-                         f"(llama_model_quantize returned {code}: a damaged GGUF file, or no room on disk)")

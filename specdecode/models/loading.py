@@ -57,7 +57,7 @@ def check_model_spec(spec) -> None:
     if os.path.isdir(path):
         return
     if is_gguf(spec) and os.path.isfile(path):
-        from specdecode.models.llamacpp import check_gguf_header
+        from specdecode.models.gguf_files import check_gguf_header
 
         check_gguf_header(path)
         return

@@ -260,14 +260,15 @@ class Pair:
 
 def _load_gguf(spec, weights: str | None, max_rows: int, progress) -> Loaded:
     """A zoo name or GGUF path on llama.cpp: its file as it is (weights None), or converted once
-    to "bf16" or "f32" by llama.cpp (specdecode.models.llamacpp)."""
+    to "bf16" or "f32" by llama.cpp (specdecode.models.gguf_convert)."""
     from specdecode.models import llamacpp
+    from specdecode.models.gguf_convert import converted_gguf
 
     source = gguf_source(spec, progress)
     if source is None:
         raise ValueError(f"{spec!r} is not a GGUF file or a zoo name: the llama.cpp backend runs GGUF files "
                          "(pass backend='torch' for a transformers directory)")
-    path = source if weights is None else llamacpp.converted_gguf(source, weights, progress)
+    path = source if weights is None else converted_gguf(source, weights, progress)
     if progress:
         progress(f"loading {Path(path).name} on llama.cpp")
     model, tokenizer = llamacpp.load_gguf(path, max_rows=max_rows)

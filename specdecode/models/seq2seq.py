@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.models.backend import check_feeds, check_truncate
+
 
 def decoder_start_token_id(model) -> int:
     """The id the decoder starts from (generation_config first, as transformers' generate).
@@ -126,8 +128,7 @@ class Seq2SeqLM:
         Raises:
             ValueError: not exactly one non-empty feed (add_row first).
         """
-        if len(feeds) != self.num_rows or not feeds or not feeds[0]:
-            raise ValueError(f"need {self.num_rows} non-empty feed(s), got lengths {[len(f) for f in feeds]}")
+        check_feeds(feeds, self.num_rows)  # one row at most: its feed must hold tokens
         tokens = torch.tensor([feeds[0]], dtype=torch.long, device=self.device)
         out = self.model(encoder_outputs=self._encoder_outputs, decoder_input_ids=tokens,
                          cache=self.cache, use_cache=True)
@@ -142,8 +143,7 @@ class Seq2SeqLM:
         Raises:
             ValueError: a length beyond what the row holds.
         """
-        if len(lengths) != self.num_rows or (lengths and not 0 <= lengths[0] <= self._length):
-            raise ValueError(f"cannot truncate rows holding {self.lengths} tokens to {list(lengths)}")
+        lengths = check_truncate(lengths, self.lengths)
         if lengths and lengths[0] < self._length:
             # EncoderDecoderCache.crop crops only the self-attention cache; it takes a negative
             # count of tokens to drop (transformers 5).

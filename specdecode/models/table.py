@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.models.backend import check_empty_row, check_feeds, check_tree, check_tree_paths, check_truncate
+
 
 class TableModel:
     """Logits from a seeded random table indexed by the last `order` tokens.
@@ -63,16 +65,14 @@ class TableModel:
 
     def fill(self, row: int, ids) -> None:
         """Give the empty row `row` the tokens ids."""
-        if self.rows[row]:
-            raise ValueError(f"row {row} holds {len(self.rows[row])} tokens; only an empty row can be filled")
+        check_empty_row(row, len(self.rows[row]))
         self.rows[row] = [int(t) for t in ids]
 
     def forward(self, feeds: list[list[int]], num_logits: int,
                 trees: list[list[int] | None] | None = None) -> torch.Tensor:
         """Append feeds[b] to row b; [B, num_logits, V]: row b's logits right-aligned, 0 elsewhere.
         trees: as HFCausalLM.forward (a tree node's logits are those after its own path)."""
-        if len(feeds) != len(self.rows) or not any(len(f) for f in feeds):
-            raise ValueError(f"need {len(self.rows)} feeds, not all empty; got lengths {[len(f) for f in feeds]}")
+        check_feeds(feeds, len(self.rows))
         trees = trees or [None] * len(feeds)
         self.num_forward_calls += 1
         self._trees = [None] * len(feeds)
@@ -80,8 +80,8 @@ class TableModel:
         for b, (feed, parents) in enumerate(zip(feeds, trees)):
             row = self.rows[b]
             n = len(parents) if parents is not None else 0
-            if any(not -1 <= parent < i for i, parent in enumerate(parents or [])) or n > len(feed):
-                raise ValueError(f"row {b}: bad tree parents {parents} for a feed of {len(feed)} tokens")
+            if parents is not None:
+                check_tree(b, parents, len(feed))
             row.extend(int(t) for t in feed[:len(feed) - n])
             # the prefix each fed token's logits follow: the row so far, or for a tree node its path
             contexts = [row[:len(row) - (len(feed) - n) + j + 1] for j in range(len(feed) - n)]
@@ -104,23 +104,17 @@ class TableModel:
     def keep_tree_paths(self, paths: list[list[int] | None]) -> None:
         """After a tree forward, row b keeps only the nodes of paths[b] of its tree (as HFCausalLM)."""
         trees = getattr(self, "_trees", None)
-        if trees is None or len(paths) != len(trees):
-            raise ValueError("keep_tree_paths needs the tree forward just before it, one entry per row")
+        check_tree_paths(paths, None if trees is None else [None if t is None else t[1] for t in trees])
         for b, (tree, path) in enumerate(zip(trees, paths)):
             if tree is None:
                 continue
-            first, parents, tokens = tree
-            if path is None or any(not 0 <= node < len(parents) or parents[node] != (path[j - 1] if j else -1)
-                                   for j, node in enumerate(path)):
-                raise ValueError(f"row {b}: {path} is not a path from the root of its tree (parents {parents})")
+            first, _, tokens = tree
             del self.rows[b][first:]
             self.rows[b].extend(tokens[node] for node in path)
         self._trees = None
 
     def truncate(self, lengths: list[int]) -> None:
-        if len(lengths) != len(self.rows) or any(not 0 <= n <= len(r) for r, n in zip(self.rows, lengths)):
-            raise ValueError(f"cannot truncate rows holding {self.lengths} tokens to {list(lengths)}")
-        for row, length in zip(self.rows, lengths):
+        for row, length in zip(self.rows, check_truncate(lengths, self.lengths)):
             del row[length:]
 
     def select(self, rows: list[int]) -> None:

@@ -20,6 +20,7 @@ import torch
 from specdecode import native
 from specdecode.config import DEFAULT_DRAFT_QUANTIZATION, LLAMA_MAX_ROWS, QUANTIZATION_BITS, DecoderConfig
 from specdecode.models import kquant, llamacpp, packed, zoo
+from specdecode.models.gguf_convert import converted_gguf
 from specdecode.models.loading import gguf_source, is_gguf, load_model, parse_device
 from specdecode.models.kernels import TargetKernel
 from specdecode.models.pair import LLAMA_WEIGHTS, LoadPlan, backend, draft_vocab_limit, model_names
@@ -249,8 +250,7 @@ def _loaders(config: DecoderConfig, target: str, draft, progress=None) -> Loader
         if kernel == TargetKernel.GGUF_INVARIANT:
             return kquant.kquant_model(source)
         weights = LLAMA_WEIGHTS[TargetKernel(kernel)]
-        return llamacpp.LlamaCppLM(source if weights is None else llamacpp.converted_gguf(source, weights, progress),
-                                   max_rows=1)
+        return llamacpp.LlamaCppLM(source if weights is None else converted_gguf(source, weights, progress), max_rows=1)
 
     return Loaders(target=load_target, draft=load_draft,
                    backend=lambda model, is_draft: backend(model, vocab_limit if is_draft else None, lean=is_draft),
