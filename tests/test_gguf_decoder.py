@@ -58,7 +58,7 @@ def test_a_gguf_pair_in_its_own_numbers_runs_on_llama_cpp_and_greedy_equals_plai
 
 def test_backend_llama_cpp_converts_the_file_to_the_asked_numbers_once(gguf, cache):
     bf16 = SpeculativeDecoder(gguf["target"], gguf["draft"], backend="llama.cpp", dtype="bfloat16")
-    assert bf16.configuration()["target_kernel"] == "llama.cpp-bf16" and bf16.dtype == torch.bfloat16
+    assert bf16.configuration()["target_kernel"] == "llama.cpp-bf16" and bf16.pair.dtype == torch.bfloat16
     assert "BF16" in bf16.configuration()["target_weights"]
     assert bf16.configuration()["draft_weights"].endswith("GGUF")  # the draft's file as it is
     f32 = SpeculativeDecoder(gguf["target"], None, backend="llama.cpp", dtype="float32")
