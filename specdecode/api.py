@@ -12,7 +12,8 @@ from specdecode.config import DecoderConfig
 from specdecode.engine.driver import Driver
 from specdecode.engine.engine import Engine
 from specdecode.engine.stream import GenerationStream
-from specdecode.frontend.builder import RequestBuilder, is_int
+from specdecode.frontend.builder import RequestBuilder
+from specdecode.frontend.options import is_int
 from specdecode.models.loading import load_tokenizer
 from specdecode.models.pair import Pair, check_specs
 from specdecode.progress import default as default_progress

@@ -154,7 +154,7 @@ def test_cli_streams_text_and_prints_summary(model_dirs, tmp_path, capsys):
     (["--temperature", "-1"], "temperature"),
     (["-k", "0"], "num-speculative-tokens"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
-    (["--top-p", "1.5"], "top_p"),
+    (["--top-p", "1.5"], "--top-p must be in"),
     (["--stop", ""], "stop"),
     (["--draft-confidence", "1.2"], "draft-confidence"),
     (["--draft-vocab-limit", "0"], "draft-vocab-limit"),
@@ -218,6 +218,26 @@ def test_token_ids_of_any_integer_type_are_accepted_and_others_refused(decoder):
 def test_a_batch_is_validated_before_anything_is_generated(decoder):
     with pytest.raises(ValueError, match="prompt is empty"):
         decoder.generate(["abc", ""], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kwargs, flags", [
+    ({"sampling": SamplingParams(min_tokens=9)}, ["--min-tokens", "9"]),
+    ({"stop": ["", "x"]}, ["--stop", "", "--stop", "x"]),
+    ({"logprobs": 21}, ["--logprobs", "21", "--json"]),
+    ({"lenience": 0}, ["--lenience", "0"]),
+    ({"sampling": SamplingParams(top_p=1.0), "max_new_tokens": -1}, ["--max-new-tokens", "-1"]),
+])
+def test_a_request_rule_and_its_message_are_the_same_in_the_library_and_the_cli(decoder, kwargs, flags, capsys):
+    from specdecode.cli.common import as_flags
+
+    with pytest.raises(ValueError) as library:
+        decoder.generate("abc", **{"max_new_tokens": 8, **kwargs})
+    with pytest.raises(SystemExit):
+        main(["generate", "abc", "--max-new-tokens", "8", *flags])
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1
+    if "max_new_tokens" not in kwargs:  # (the CLI names -1 first: a command never scores a prompt alone)
+        assert as_flags(str(library.value)) in err
 
 
 def test_batch_invariant_takes_the_clis_words_too():

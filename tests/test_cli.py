@@ -129,15 +129,15 @@ def test_summary_of_a_one_token_run_says_1_token(model_dirs, capsys):
     (["generate", "@/no/such/file.txt"], "cannot read the prompt: [Errno 2] No such file or directory"),
     (["alpha", "--prompts", "0"], "--prompts and --max-new-tokens must be >= 1"),
     (["bench", "--new-tokens", "1"], "--new-tokens >= 2"),
-    (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be > 0 (1 = off), got 0.0"),
+    (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be finite and > 0 (1 = off), got 0.0"),
     (["generate", "hi", "--presence-penalty", "2.5"], "--presence-penalty must be in [-2, 2] (0 = off), got 2.5"),
     (["generate", "hi", "--frequency-penalty", "-3"], "--frequency-penalty must be in [-2, 2] (0 = off), got -3.0"),
-    (["generate", "hi", "--logprobs", "21", "--json"], "--logprobs must be in [0, 20], got 21"),
+    (["generate", "hi", "--logprobs", "21", "--json"], "--logprobs must be None or an integer in [0, 20] (alternatives per token), got 21"),
     (["generate", "hi", "--logprobs", "2"], "--logprobs is printed in the --json output: add --json"),
     (["generate", "hi", "--json-schema", "/no/such/schema.json"], "--json-schema: cannot read /no/such/schema.json"),
     (["generate", "hi", "--grammar", "/no/such/g.ebnf"], "--grammar: cannot read /no/such/g.ebnf"),
     (["generate", "hi", "--logit-bias", "5:1"], "--logit-bias takes ID=BIAS"),
-    (["generate", "hi", "--logit-bias", "5=200"], "logit_bias values must be numbers in [-100, 100]"),
+    (["generate", "hi", "--logit-bias", "5=200"], "--logit-bias values must be numbers in [-100, 100]"),
     (["generate", "hi", "--min-tokens", "9", "--max-new-tokens", "8"], "--min-tokens (9) must be at most"),
 ])
 def test_bad_flags_exit_2_with_one_error_line(args, message, capsys):

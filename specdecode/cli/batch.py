@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from specdecode.cli.common import (add_model_flags, add_served_name_flag, build_decoder, decoder_config, error,
+from specdecode.cli.common import (add_model_flags, add_served_name_flag, as_flags, build_decoder, decoder_config, error,
                                    served_name, stderr_progress)
 
 
@@ -61,21 +61,16 @@ def run(args, parser) -> int:
                         ("--workers", args.workers), ("--rows-per-task", args.rows_per_task)):
         if value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
-    if args.temperature < 0:
-        parser.error(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.seed is not None:
-        from specdecode.sampling import SamplingParams
+    from specdecode.frontend.options import RequestOptions
+    from specdecode.sampling import SamplingParams
 
-        try:
-            SamplingParams(seed=args.seed)  # the one seed rule, as generate and the library apply it
-        except ValueError as err:
-            parser.error(f"--{err}")
+    try:  # the library's rules, as generate and the server apply them
+        RequestOptions(args.max_tokens, SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed),
+                       args.stop).validate()
+    except ValueError as err:
+        parser.error(as_flags(str(err)).replace("--max-new-tokens", "--max-tokens"))
     if args.cpus_per_worker is not None and args.cpus_per_worker <= 0:
         parser.error(f"--cpus-per-worker must be > 0, got {args.cpus_per_worker}")
-    if any(not s for s in args.stop):
-        parser.error("--stop takes non-empty text")
     if args.ray is None and (args.workers != 1 or args.cpus_per_worker is not None):
         parser.error("--workers and --cpus-per-worker need --ray")
     from specdecode.scale.rows import RowDefaults

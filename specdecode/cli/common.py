@@ -159,14 +159,20 @@ def decoder_config(args, parser: argparse.ArgumentParser, **extra) -> DecoderCon
 
 
 def as_flags(message: str) -> str:
-    """A DecoderConfig message in the CLI's words: `field='value'` as `--field value`, and other
-    field names with an underscore as the flags that set them."""
+    """A library message (DecoderConfig, SamplingParams, RequestOptions) in the CLI's words:
+    `field='value'` as `--field value`, field names with an underscore anywhere and the one that
+    starts the message as the flags that set them."""
+    from specdecode.frontend.options import RequestOptions
+    from specdecode.sampling import SamplingParams
+
     def flag(name: str) -> str:
         return "-k/--num-speculative-tokens" if name == "num_speculative_tokens" else "--" + name.replace("_", "-")
 
-    fields = sorted((f.name for f in dataclasses.fields(DecoderConfig)), key=len, reverse=True)
+    fields = sorted({f.name for kind in (DecoderConfig, SamplingParams, RequestOptions) for f in dataclasses.fields(kind)}
+                    - {"sampling", "n"}, key=len, reverse=True)
     message = re.sub(r"\b(" + "|".join(fields) + r")=(?:'([^']*)'|([\w.]+))",
                      lambda m: f"{flag(m.group(1))} {m.group(2) if m.group(2) is not None else m.group(3)}", message)
+    message = re.sub(r"^(" + "|".join(fields) + r")\b", lambda m: flag(m.group(1)), message)
     named = [name for name in fields if "_" in name]
     return re.sub(r"(?<![-\w])(" + "|".join(named) + r")\b", lambda m: flag(m.group(1)), message)
 

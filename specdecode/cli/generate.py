@@ -126,15 +126,8 @@ def run(args, parser) -> int:
 def _parse(args, parser):
     """SamplingParams and the prompt (a string, or a list from --prompts-file); bad input exits 2."""
     from specdecode import SamplingParams
+    from specdecode.frontend.options import RequestOptions
 
-    if not 0 < args.repetition_penalty < float("inf"):
-        parser.error(f"--repetition-penalty must be > 0 (1 = off), got {args.repetition_penalty}")
-    for flag in ("presence_penalty", "frequency_penalty"):
-        value = getattr(args, flag)
-        if not -2 <= value <= 2:
-            parser.error(f"--{flag.replace('_', '-')} must be in [-2, 2] (0 = off), got {value}")
-    if args.logprobs is not None and not 0 <= args.logprobs <= 20:
-        parser.error(f"--logprobs must be in [0, 20], got {args.logprobs}")
     if args.logprobs is not None and not args.json:
         parser.error("--logprobs is printed in the --json output: add --json")
     bias = {}
@@ -144,24 +137,22 @@ def _parse(args, parser):
             bias[int(token)] = float(value)
         except ValueError:
             parser.error(f"--logit-bias takes ID=BIAS (e.g. 151643=-100), got {item!r}")
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens < 1:  # (0 scores a prompt in the library: not a command's use)
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.min_tokens > args.max_new_tokens:
-        parser.error(f"--min-tokens ({args.min_tokens}) must be at most --max-new-tokens ({args.max_new_tokens})")
+    # the library's own checks (SamplingParams, RequestOptions), named by their flags
     try:
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   min_p=args.min_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
                                   presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                                   logit_bias=bias or None, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos)
     except ValueError as err:
-        parser.error(str(err))
+        parser.error(as_flags(str(err)))
     args.decoder_config = decoder_config(args, parser)
     try:
-        args.decoder_config.check_lenience(args.lenience)
+        RequestOptions(args.max_new_tokens, sampling, args.stop, args.lenience, args.logprobs).validate(
+            args.decoder_config)
     except ValueError as err:
-        parser.error(as_flags(f"--{err}"))
-    if any(not s for s in args.stop):
-        parser.error("--stop takes non-empty text")
+        parser.error(as_flags(str(err)))
     if (args.prompt is None) == (args.prompts_file is None):
         parser.error("give either a PROMPT or --prompts-file FILE")
     if args.batch_size is not None and args.batch_size < 1:

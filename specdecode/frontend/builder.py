@@ -15,8 +15,9 @@ import threading
 import warnings
 
 from specdecode.config import DecoderConfig
+from specdecode.frontend.options import RequestOptions
 from specdecode.engine.request import DecodeConfig, Request
-from specdecode.frontend.schema import MAX_CHOICES, MAX_LOGPROBS, ApiError, ChatRequest, CompletionRequest, \
+from specdecode.frontend.schema import ApiError, ChatRequest, CompletionRequest, \
     max_tokens, num_logprobs, prompt_list, stops
 from specdecode.sampling import SamplingParams
 
@@ -31,10 +32,6 @@ _NOT_SAMPLING = {"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_
                  "assistant_confidence_threshold", "_commit_hash"}
 # the ones we apply exactly (on top of the request's own settings)
 _APPLIED = ("repetition_penalty", "no_repeat_ngram_size")
-
-
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def choice_samplings(sampling: SamplingParams | None, n: int) -> list[SamplingParams | None]:
@@ -242,39 +239,17 @@ class RequestBuilder:
         specdecode.grammar.Grammar. Arguments as SpeculativeDecoder.generate.
 
         Raises:
-            TypeError: an argument of the wrong type (named).
-            ValueError: max_new_tokens < 1 (0 is allowed with prompt_logprobs: score only), an
-                empty stop string, lenience outside (0, 1], lenience < 1 with verification="block"
-                or tree_width > 1, logprobs or prompt_logprobs outside [0, 20], prompt_logprobs with
-                an encoder–decoder target, a logit_bias id outside the vocabulary, min_tokens >
-                max_new_tokens, a logits processor that is not callable, an invalid
-                response_format, schema or grammar.
+            TypeError, ValueError: RequestOptions.validate's; a logit_bias id outside the
+                vocabulary, prompt_logprobs with an encoder–decoder target, a logits processor that
+                is not callable, an invalid response_format, schema or grammar.
         """
-        least = 0 if prompt_logprobs is not None else 1
-        if not is_int(max_new_tokens) or max_new_tokens < least:
-            raise ValueError(f"max_new_tokens must be an integer >= 1 (0 only with prompt_logprobs: score the "
-                             f"prompt), got {max_new_tokens!r}")
-        if sampling is None:
-            sampling = SamplingParams()
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams (or, for a list of prompts, a list of them), "
-                            f"got {type(sampling).__name__}")
+        options = RequestOptions(max_new_tokens, sampling, stop, lenience, logprobs, prompt_logprobs).validate(
+            self.decoder)
+        sampling = options.sampling
         vocab = self.target.vocab_size
         if sampling.logit_bias and max(sampling.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token ids {sorted(t for t in sampling.logit_bias if t >= vocab)[:5]} are "
                              f"outside the vocabulary [0, {vocab})")
-        if sampling.min_tokens > max_new_tokens:
-            raise ValueError(f"min_tokens ({sampling.min_tokens}) must be at most max_new_tokens ({max_new_tokens})")
-        stop_strings = (stop,) if isinstance(stop, str) else (stop or ())
-        if not isinstance(stop_strings, (list, tuple)) or not all(isinstance(s, str) for s in stop_strings):
-            raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
-        if any(not s for s in stop_strings):
-            raise ValueError("stop strings must be non-empty")
-        self.decoder.check_lenience(lenience)
-        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}] (alternatives per "
-                                 f"token), got {value!r}")
         if prompt_logprobs is not None and self.is_encoder_decoder:
             raise ValueError("prompt_logprobs need a decoder-only target (an encoder-decoder model's prompt is "
                              "its encoder's input)")
@@ -292,7 +267,7 @@ class RequestBuilder:
             processors.insert(0, NoRepeatNGramLogitsProcessor(self.defaults["no_repeat_ngram_size"]))
         return DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling,
                             num_speculative_tokens=self.num_speculative_tokens, eos_token_ids=self.eos_token_ids,
-                            stop=tuple(stop_strings), lenience=float(lenience),
+                            stop=options.stop, lenience=options.lenience,
                             costs=self.guard_costs if self.guarded(sampling, lenience) else None,
                             gamma_schedule=self.decoder.gamma_schedule, verification=self.decoder.verification, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, logits_processors=tuple(processors), grammar=compiled)
@@ -309,8 +284,7 @@ class RequestBuilder:
         Raises:
             ValueError, TypeError: as generate's (any prompt of a list, before anything runs).
         """
-        if not is_int(n) or not 1 <= n <= MAX_CHOICES:
-            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}] (choices per prompt), got {n!r}")
+        RequestOptions(n=n).validate()
         is_batch = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (str, list, tuple))
         if stream and (is_batch or n > 1):
             raise ValueError("stream=True takes one prompt, not a list" if is_batch else

@@ -13,9 +13,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from specdecode.frontend.options import MAX_CHOICES, MAX_LOGPROBS
+
 MAX_GAMMA = 64
-MAX_LOGPROBS = 20
-MAX_CHOICES = 16                       # n, choices per prompt
 MAX_ROWS = 256                         # prompts × n of one request
 # JSON numbers only: "0.5" and true are refused, and so are NaN and ±Infinity (Python's json reads them)
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]

@@ -1,0 +1,78 @@
+"""RequestOptions: one request's options and every check on them that needs no model.
+
+The library (SpeculativeDecoder.generate, through RequestBuilder), the CLI (before any model
+loads) and the batch job's flags build one and call validate(), so a rule and its message exist
+once; the server's wire schema maps a body onto the same fields (RequestBuilder.from_wire). The
+checks that need the target (a logit_bias id inside its vocabulary, prompt logprobs of a
+decoder-only model, a grammar compiled for its tokenizer) stay in RequestBuilder.config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from specdecode.config import DecoderConfig
+from specdecode.sampling import SamplingParams
+
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
+MAX_CHOICES = 16   # n: choices per prompt
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """A request's options (SpeculativeDecoder.generate's arguments of the same names).
+
+    max_new_tokens: the most new tokens (>= 1; 0 only with prompt_logprobs: score the prompt).
+    sampling: SamplingParams (None: its defaults).  stop: strings that end the output (a string
+    or a list; non-empty).  lenience: in (0, 1], 1 exact (below 1 lossy: paper A.5).
+    logprobs, prompt_logprobs: None or alternatives per token in [0, MAX_LOGPROBS].
+    n: choices per prompt in [1, MAX_CHOICES].
+    """
+
+    max_new_tokens: int = 256
+    sampling: SamplingParams | None = None
+    stop: tuple[str, ...] | list[str] | str | None = None
+    lenience: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
+
+    def validate(self, decoder: DecoderConfig | None = None) -> "RequestOptions":
+        """These options checked, with sampling filled in and stop as a tuple. decoder: the
+        decoder's options, whose verification rule limits lenience (DecoderConfig.check_lenience).
+
+        Raises:
+            ValueError: a value out of range (named by its field), min_tokens above
+                max_new_tokens, an empty stop string.
+            TypeError: sampling that is not a SamplingParams, stop that is not text.
+        """
+        least = 0 if self.prompt_logprobs is not None else 1
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < least:
+            raise ValueError(f"max_new_tokens must be an integer >= 1 (0 only with prompt_logprobs: score the "
+                             f"prompt), got {self.max_new_tokens!r}")
+        sampling = SamplingParams() if self.sampling is None else self.sampling
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams (or, for a list of prompts, a list of them), "
+                            f"got {type(sampling).__name__}")
+        if sampling.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens ({sampling.min_tokens}) must be at most max_new_tokens "
+                             f"({self.max_new_tokens})")
+        stop = (self.stop,) if isinstance(self.stop, str) else (self.stop or ())
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        (decoder or DecoderConfig()).check_lenience(self.lenience)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}] (alternatives per "
+                                 f"token), got {value!r}")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}] (choices per prompt), got {self.n!r}")
+        return dataclasses.replace(self, sampling=sampling, stop=tuple(stop), lenience=float(self.lenience))
