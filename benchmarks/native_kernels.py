@@ -73,17 +73,22 @@ def gguf_products(rows: list[int], repeats: int) -> dict:
             products.append(native.KQuantWeights(parts, inputs))
     products.append(native.KQuantWeights([(table.blocks("output.weight"), table.type_name("output.weight"))], HIDDEN))
     gigabytes = sum(array.nbytes for w in products for array in w._keep) / 1e9
+    # tiled (the default: weight rows 8 at a time, spans of blocks whose activations stay in L1)
+    # against untiled (one weight row after another over the whole K), interleaved; same bits
+    kernels = {"specdecode.native K-quant": 24 << 10, "the same untiled": 1 << 40}
     best = {}
     for m in rows:
         inputs = {k: torch.randn(m, k).bfloat16() for k in (HIDDEN, INTER)}
         for _ in range(repeats):
-            start = time.perf_counter()
-            for w in products:
-                native.linear_kq(inputs[w.inputs], w)
-            best[m] = min(best.get(m, float("inf")), time.perf_counter() - start)
+            for name, above in kernels.items():
+                with native.kq_tiling(above):
+                    start = time.perf_counter()
+                    for w in products:
+                        native.linear_kq(inputs[w.inputs], w)
+                    best[name, m] = min(best.get((name, m), float("inf")), time.perf_counter() - start)
     bandwidth = memory_bandwidth_gbs(BANDWIDTH_GIB)
     return {"gigabytes": gigabytes, "bandwidth_gbs": bandwidth, "memory_line_ms": 1e3 * gigabytes / bandwidth,
-            "ms": {"specdecode.native K-quant": {m: 1e3 * best[m] for m in rows}}}
+            "ms": {name: {m: 1e3 * best[name, m] for m in rows} for name in kernels}}
 
 
 def forwards(sizes: list[int], repeats: int, llama: bool) -> dict:

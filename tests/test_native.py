@@ -264,16 +264,25 @@ def test_kquant_linear_computes_the_files_blocks_and_rows_alike(kind, n, k):
 
 
 def test_kquant_parts_side_by_side_equal_each_part_alone():
-    q4, _ = kquant_blocks("Q4_K", 12, 512, seed=1)
-    q6, _ = kquant_blocks("Q6_K", 7, 512, seed=2)
-    x = bf16(9, 512, seed=3)
-    both = native.linear_kq(x, native.KQuantWeights([(q4, "Q4_K"), (q6, "Q6_K")], 512), out_float32=True)
-    assert torch.equal(both[:, :12], native.linear_kq(x, native.KQuantWeights([(q4, "Q4_K")], 512), out_float32=True))
-    assert torch.equal(both[:, 12:], native.linear_kq(x, native.KQuantWeights([(q6, "Q6_K")], 512), out_float32=True))
+    # 9 rows of 3072 inputs: the tiled path (weight rows 8 at a time, spans of blocks), its tiles
+    # within each part; each row as it is alone (the untiled path)
+    k = 3072
+    q4, _ = kquant_blocks("Q4_K", 12, k, seed=1)
+    q6, _ = kquant_blocks("Q6_K", 7, k, seed=2)
+    x = bf16(9, k, seed=3)
+    both = native.linear_kq(x, native.KQuantWeights([(q4, "Q4_K"), (q6, "Q6_K")], k), out_float32=True)
+    assert torch.equal(both[:, :12], native.linear_kq(x, native.KQuantWeights([(q4, "Q4_K")], k), out_float32=True))
+    assert torch.equal(both[:, 12:], native.linear_kq(x, native.KQuantWeights([(q6, "Q6_K")], k), out_float32=True))
+    assert torch.equal(both, rows_alone(lambda r: native.linear_kq(
+        r, native.KQuantWeights([(q4, "Q4_K"), (q6, "Q6_K")], k), out_float32=True), x))
+    for above in (0, 1 << 40):  # every product tiled, and none
+        with native.kq_tiling(above):
+            assert torch.equal(both, native.linear_kq(x, native.KQuantWeights([(q4, "Q4_K"), (q6, "Q6_K")], k),
+                                                      out_float32=True))
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(both, native.linear_kq(x, native.KQuantWeights([(q4, "Q4_K"), (q6, "Q6_K")], 512),
+        assert torch.equal(both, native.linear_kq(x, native.KQuantWeights([(q4, "Q4_K"), (q6, "Q6_K")], k),
                                                   out_float32=True))
     finally:
         torch.set_num_threads(previous)

@@ -10,6 +10,7 @@ kernels need it and pass pointers.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import numpy as np
@@ -119,6 +120,20 @@ def linear_kq(x: torch.Tensor, weights: KQuantWeights, bias: torch.Tensor | None
                         weights._rows, None if bias is None else bias.data_ptr(), out.data_ptr(), weights.outputs,
                         int(out_float32), _threads())
     return out.view(*x.shape[:-1], weights.outputs)
+
+
+@contextlib.contextmanager
+def kq_tiling(above_bytes: int):
+    """Within the block, K-quant products whose int8 activations (M·K bytes) exceed above_bytes run
+    tiled (weight rows 8 at a time, their blocks a span at a time, so that the activations stay in
+    L1); the default is 24 KiB. The bits are the same either way: tests and benchmarks compare the
+    two paths with it (a huge value turns tiling off). No effect without AVX-512."""
+    previous = load().sd_kq_tiled_above(above_bytes)
+    try:
+        yield
+    finally:
+        if previous >= 0:
+            load().sd_kq_tiled_above(previous)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -136,6 +136,7 @@ def load() -> ctypes.CDLL:
     lib.sd_isa.restype = i32
     lib.sd_kq_isa.restype = i32
     lib.sd_kq_row_bytes.argtypes, lib.sd_kq_row_bytes.restype = [i32, i64], i64
+    lib.sd_kq_tiled_above.argtypes, lib.sd_kq_tiled_above.restype = [i64], i64
     lib.sd_linear_kq.argtypes = [ptr, i64, i64, i64, i32, ptr, ptr, ptr, ptr, ptr, i64, i32, i32]
     lib.sd_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32, i32]
     lib.sd_linear_q4.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i32, i32]

@@ -208,16 +208,31 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// sums[i] = Σ_k x[m0 + i, k]·W[k] for one Q4_K weight row
+// A pass over the super-blocks [b0, b1) of one weight row (AVX-512). The rows' float accumulators
+// live in registers during the pass and in `saved` ([MG][16] floats) between passes: a store and a
+// load are exact, so a row split into passes gets the bits of one pass over all its blocks (each
+// output accumulates its blocks in the same order either way). One pass (saved = nullptr) is the
+// whole row.
+#if KQ_ISA == 2
 template <int MG>
-void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, float* mins_row) {
+inline void load_acc(__m512* acc, const float* saved, int64_t b0) {
+    for (int i = 0; i < MG; ++i) acc[i] = saved && b0 > 0 ? _mm512_loadu_ps(saved + 16 * i) : _mm512_setzero_ps();
+}
+#endif
+
+// sums[i] = Σ_k x[m0 + i, k]·W[k] for one Q4_K weight row (with AVX-512, its blocks [b0, b1) only
+// where `saved` is given: sums are written after the last block's pass)
+template <int MG>
+void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, float* mins_row,
+              int64_t b0 = 0, int64_t b1 = -1, float* saved = nullptr) {
     const int64_t blocks = a.K / QK;
 #if KQ_ISA == 2
+    if (b1 < 0) b1 = blocks;
     __m512 acc[MG];
-    for (int i = 0; i < MG; ++i) acc[i] = _mm512_setzero_ps();
+    load_acc<MG>(acc, saved, b0);
     const __m512i nibble = _mm512_set1_epi8(0x0f);
     const __m512i pick01 = _mm512_load_si512(kQ4Pick), pick23 = _mm512_add_epi16(pick01, _mm512_set1_epi16(4));
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t b = b0; b < b1; ++b) {
         const uint8_t* block = w + b * Q4K_BYTES;
         for (int p = 0; p < Q4K_BYTES; p += 64)
             _mm_prefetch(reinterpret_cast<const char*>(block + PREFETCH_BYTES + p), _MM_HINT_T2);
@@ -250,6 +265,10 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, f
             // d·dx as one scalar: a short dependency chain, so that the rows' work overlaps
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d * a.d[row * (a.K / QK) + b]), acc[i]);
         }
+    }
+    if (b1 < blocks) {
+        for (int i = 0; i < MG; ++i) _mm512_storeu_ps(saved + 16 * i, acc[i]);
+        return;
     }
     // Σ_j dmin·mn[j]·dx·Σx̂ over the row's sub-blocks, 16 at a time in a fixed order (K's alone)
     const int64_t subs = a.K / 32;
@@ -329,16 +348,18 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, f
 #endif
 }
 
-// sums[i] = Σ_k x[m0 + i, k]·W[k] for one Q6_K weight row
+// sums[i] = Σ_k x[m0 + i, k]·W[k] for one Q6_K weight row (passes as q4k_rows)
 template <int MG>
-void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, float*) {
+void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, float*,
+              int64_t b0 = 0, int64_t b1 = -1, float* saved = nullptr) {
     const int64_t blocks = a.K / QK;
 #if KQ_ISA == 2
+    if (b1 < 0) b1 = blocks;
     __m512 acc[MG];
-    for (int i = 0; i < MG; ++i) acc[i] = _mm512_setzero_ps();
+    load_acc<MG>(acc, saved, b0);
     const __m512i nibble = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
     const __m512i pick01 = _mm512_load_si512(kQ6Pick), pick23 = _mm512_add_epi16(pick01, _mm512_set1_epi16(8));
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t b = b0; b < b1; ++b) {
         const uint8_t* block = w + b * Q6K_BYTES;
         for (int p = 0; p < Q6K_BYTES; p += 64)
             _mm_prefetch(reinterpret_cast<const char*>(block + PREFETCH_BYTES + p), _MM_HINT_T2);
@@ -371,6 +392,10 @@ void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, f
             dot = _mm512_sub_epi32(dot, _mm512_zextsi256_si512(offset));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d * a.d[row * (a.K / QK) + b]), acc[i]);
         }
+    }
+    if (b1 < blocks) {
+        for (int i = 0; i < MG; ++i) _mm512_storeu_ps(saved + 16 * i, acc[i]);
+        return;
     }
     for (int i = 0; i < MG; ++i) sums[i] = hsum(acc[i]);
 #elif KQ_ISA == 1
@@ -438,37 +463,87 @@ void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, f
 }
 
 template <int MG>
-void rows_kq(int type, const Activations& a, int64_t m0, const uint8_t* w, float* sums, float* scratch) {
+void rows_kq(int type, const Activations& a, int64_t m0, const uint8_t* w, float* sums, float* scratch,
+             int64_t b0, int64_t b1, float* saved) {
     if (type == TYPE_Q4_K)
-        q4k_rows<MG>(a, m0, w, sums, scratch);
+        q4k_rows<MG>(a, m0, w, sums, scratch, b0, b1, saved);
     else
-        q6k_rows<MG>(a, m0, w, sums, scratch);
+        q6k_rows<MG>(a, m0, w, sums, scratch, b0, b1, saved);
 }
 
-#define KQ_CASE(G) case G: rows_kq<G>(type, a, m, w, sums + m, scratch); break;
+#define KQ_CASE(G) case G: rows_kq<G>(type, a, m, w, sums, scratch, b0, b1, saved); break;
 
-void weight_row(int type, const Activations& a, int64_t M, const uint8_t* w, float* sums, float* scratch) {
-    // rows in equal groups of at most ROWS (16 rows: 8 + 8, not 12 + 4): each group decodes the
-    // weight row again, and a group's cost is mostly per row
-    const int64_t groups = (M + ROWS - 1) / ROWS, size = (M + groups - 1) / groups;
-    for (int64_t m = 0; m < M;) {
-        const int g = static_cast<int>(std::min<int64_t>(M - m, size));
-        switch (g) {
-            KQ_CASE(1) KQ_CASE(2) KQ_CASE(3) KQ_CASE(4) KQ_CASE(5) KQ_CASE(6) KQ_CASE(7) KQ_CASE(8)
+// One group of g activation rows (from m) against one weight row's blocks [b0, b1) (all: b1 = -1)
+void group_pass(int type, const Activations& a, int64_t m, int g, const uint8_t* w, float* sums, float* scratch,
+                int64_t b0, int64_t b1, float* saved) {
+    switch (g) {
+        KQ_CASE(1) KQ_CASE(2) KQ_CASE(3) KQ_CASE(4) KQ_CASE(5) KQ_CASE(6) KQ_CASE(7) KQ_CASE(8)
 #if KQ_ISA == 2
-            KQ_CASE(9) KQ_CASE(10) KQ_CASE(11) KQ_CASE(12)
+        KQ_CASE(9) KQ_CASE(10) KQ_CASE(11) KQ_CASE(12)
 #endif
-            default: break;
-        }
-        m += g;
+        default: break;
     }
 }
+
+// rows in equal groups of at most ROWS (16 rows: 8 + 8, not 12 + 4): each group decodes the weight
+// row again, and a group's cost is mostly per row
+int64_t group_size(int64_t M) {
+    const int64_t groups = (M + ROWS - 1) / ROWS;
+    return (M + groups - 1) / groups;
+}
+
+void weight_row(int type, const Activations& a, int64_t M, const uint8_t* w, float* sums, float* scratch) {
+    const int64_t size = group_size(M);
+    for (int64_t m = 0; m < M; m += size) {
+        const int g = static_cast<int>(std::min<int64_t>(M - m, size));
+        group_pass(type, a, m, g, w, sums + m, scratch, 0, -1, nullptr);
+    }
+}
+
+#if KQ_ISA == 2
+// Weight rows a tile at a time, their blocks a span at a time: a group's int8 activations over the
+// whole K (9 rows of an 8960-input product: 80 KB) do not stay in L1, so one weight row after
+// another would stream them from L2 again for each (at 9 rows ffn_down ran 1.5x slower per byte
+// than gate|up, 1536 inputs); a span's (≤ SPAN_BYTES) stays in L1 for the tile's rows. The bits
+// are those of weight_row (q4k_rows: passes).
+const int TILE = 8;                  // weight rows per tile
+const int64_t SPAN_BYTES = 16 << 10;  // a group's activations per span
+int64_t tiled_above = 24 << 10;        // activations (M·K bytes) above which tiles run (sd_kq_tiled_above)
+
+void weight_tile(int type, const Activations& a, int64_t M, const uint8_t* w, int64_t row_bytes, int count,
+                 float* sums, float* scratch, float* saved) {
+    const int64_t size = group_size(M), blocks = a.K / QK;
+    for (int64_t m = 0; m < M; m += size) {
+        const int g = static_cast<int>(std::min<int64_t>(M - m, size));
+        const int64_t span = std::max<int64_t>(1, SPAN_BYTES / (g * QK));
+        for (int64_t b0 = 0; b0 < blocks; b0 += span) {
+            const int64_t b1 = std::min(blocks, b0 + span);
+            for (int t = 0; t < count; ++t)
+                group_pass(type, a, m, g, w + t * row_bytes, sums + t * M + m, scratch + t * (a.K / 32), b0, b1,
+                           saved + t * ROWS * 16);
+        }
+    }
+}
+#endif
 
 }  // namespace
 
 extern "C" {
 
 int sd_kq_isa() { return KQ_ISA; }
+
+// Sets the activation bytes (M·K) above which products run tiled (the bits are the same either
+// way: tests and benchmarks compare the two paths); returns the previous value (-1 without AVX-512).
+int64_t sd_kq_tiled_above(int64_t bytes) {
+#if KQ_ISA == 2
+    const int64_t previous = tiled_above;
+    tiled_above = bytes;
+    return previous;
+#else
+    (void)bytes;
+    return -1;
+#endif
+}
 
 int64_t sd_kq_row_bytes(int type, int64_t K) {
     if (K % QK != 0) return -1;
@@ -510,6 +585,37 @@ void sd_linear_kq(const bf16* x, int64_t M, int64_t K, int64_t ldx, int parts, c
     std::vector<int64_t> first(parts + 1, 0);
     for (int p = 0; p < parts; ++p) first[p + 1] = first[p] + rows[p];
     total = first[parts];
+#if KQ_ISA == 2
+    if (M > 1 && M * K > tiled_above) {
+        std::vector<std::pair<int, int64_t>> tiles;  // (part, first row): tiles never straddle parts
+        for (int p = 0; p < parts; ++p)
+            for (int64_t r = 0; r < rows[p]; r += TILE) tiles.emplace_back(p, r);
+#pragma omp parallel num_threads(threads)
+        {
+            std::vector<float> sums(TILE * M), scratch(TILE * (K / 32)), saved(TILE * ROWS * 16);
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < static_cast<int64_t>(tiles.size()); ++i) {
+                const int p = tiles[i].first;
+                const int64_t r = tiles[i].second, row_bytes = sd_kq_row_bytes(types[p], K);
+                const int count = static_cast<int>(std::min<int64_t>(TILE, rows[p] - r));
+                weight_tile(types[p], a, M, weights[p] + r * row_bytes, row_bytes, count, sums.data(), scratch.data(),
+                            saved.data());
+                for (int t = 0; t < count; ++t) {
+                    const int64_t n = first[p] + r + t;
+                    const float add = bias ? bias[n] : 0.0f;
+                    for (int64_t m = 0; m < M; ++m) {
+                        const float v = sums[t * M + m] + add;
+                        if (out_f32)
+                            static_cast<float*>(y)[m * ldy + n] = v;
+                        else
+                            static_cast<bf16*>(y)[m * ldy + n] = float_to_bf16(v);
+                    }
+                }
+            }
+        }
+        return;
+    }
+#endif
 #pragma omp parallel num_threads(threads)
     {
         std::vector<float> sums(M), scratch(K / 32);
