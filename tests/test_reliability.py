@@ -240,11 +240,52 @@ async def _last_item(handle):
             return item
 
 
+def test_a_backend_error_ends_every_request_of_the_step_retryably_in_the_server_and_the_library(decoder,
+                                                                                             monkeypatch):
+    pytest.importorskip("fastapi")
+    from specdecode.engine.engine import StepFailed
+    from specdecode.serve.app import failure
+    from specdecode.serve.worker import EngineWorker, Handle
+
+    backend, real = decoder.engine.target, decoder.engine.target.forward
+    calls = {"n": 0}
+
+    def forward_failing_once(*args, **kwargs):  # no request's fault: the backend's
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("backend broke")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "forward", forward_failing_once)
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
+    loop_thread.start()
+    worker = EngineWorker(decoder.engine, max_queue=10)
+    try:
+        config = decoder.requests.config(16, ENDLESS)
+        handles = [Handle(decoder.requests.request(decoder.requests.encode(p, False), config), loop)
+                   for p in ("abc", "ace")]
+        worker.submit(*handles)
+        worker.start()
+        items = [asyncio.run_coroutine_threadsafe(_last_item(h), loop).result(timeout=60) for h in handles]
+        assert all(isinstance(item, StepFailed) and "backend broke" in str(item) for item in items)
+        assert all(failure(item).status == 503 for item in items)  # the same rule as Driver: retryable
+    finally:
+        worker.stop(timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join(10)
+        decoder.engine.reset()
+    calls["n"] = 0
+    with pytest.raises(RuntimeError, match="backend broke"):  # the library's caller that stepped gets it
+        decoder.generate("abc", max_new_tokens=16, sampling=ENDLESS, chat=False)
+    assert not decoder.engine.has_work and not decoder.driver.failed
+
+
 def test_the_servers_worker_gives_the_failing_request_its_error_and_the_others_a_retryable_one(decoder):
     pytest.importorskip("fastapi")
     import dataclasses
 
-    from specdecode.engine.driver import StepFailed
+    from specdecode.engine.engine import StepFailed
     from specdecode.serve.app import failure
     from specdecode.serve.worker import EngineWorker, Handle
 

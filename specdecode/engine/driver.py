@@ -8,12 +8,8 @@ import threading
 from collections import deque
 from typing import Callable, Iterable, Iterator
 
-from specdecode.engine.engine import Engine
+from specdecode.engine.engine import Engine, StepFailed
 from specdecode.engine.request import DecodeConfig, GenerationResult, Request, TokenEvent
-
-
-class StepFailed(RuntimeError):
-    """A request ended because a step it was in failed for another request's error (named)."""
 
 
 class Driver:
@@ -67,9 +63,9 @@ class Driver:
             try:
                 outputs = self.engine.step()
             except BaseException as err:
-                culprit = self.engine.culprit(err)
-                self._fail_all(err, culprit)
-                if culprit is None:  # nobody's request in particular: the caller that stepped
+                failures = self.engine.fail(err)
+                self.failed.update(failures)
+                if err not in failures.values():  # nobody's request in particular: the caller that stepped
                     raise
                 return  # each caller finds its request's failure in _take
             for output in outputs:
@@ -78,13 +74,6 @@ class Driver:
                     queue.extend(output.events)
                 if output.result is not None:
                     self.results[output.request_id] = output.result
-
-    def _fail_all(self, err: BaseException, culprit: int | None) -> None:
-        ids = [row.request_id for row in self.engine.running] + [rid for rid, _ in self.engine.waiting]
-        self.engine.reset()
-        for request_id in ids:
-            self.failed[request_id] = err if request_id == culprit else StepFailed(
-                f"a decoding step failed ({type(err).__name__}: {err}); every request running in it ended")
 
     def _take(self, request_id: int) -> GenerationResult | None:
         """The request's result once finished (None before); raises its failure."""

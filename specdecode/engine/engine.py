@@ -45,6 +45,11 @@ from specdecode.sampling import (SamplingParams, adjust, first_argmax, make_gene
 from specdecode.verify import block_step, drafter_invariant_step, greedy_lenient_step, speculative_step, tree_step
 
 
+
+class StepFailed(RuntimeError):
+    """A request ended because a step it was in failed for another request's error, or for no
+    request's (a backend's): named in the message (Engine.fail)."""
+
 @dataclass
 class StepOutput:
     """What one request got from one step: its new tokens, the step's drafts verified and accepted
@@ -319,6 +324,18 @@ class Engine:
         self.target.reset()
         if self.proposer is not None:
             self.proposer.select([])
+
+    def fail(self, error: BaseException) -> dict[int, BaseException]:
+        """After step() raised `error`: what each request in the engine (running or waiting) ends
+        with, and the engine reset (its caches may hold half the step). The request whose own
+        logits pipeline raised it (culprit) gets `error`; every other a StepFailed naming it (the
+        request itself did nothing wrong: a client may retry it). The one rule for every driver."""
+        culprit = self.culprit(error)
+        ids = [row.request_id for row in self.running] + [request_id for request_id, _ in self.waiting]
+        self.reset()
+        other = StepFailed(f"a decoding step failed ({type(error).__name__}: {error}); every request running in "
+                           "it ended")
+        return {request_id: error if request_id == culprit else other for request_id in ids}
 
     def culprit(self, error: BaseException) -> int | None:
         """After step() raised `error` (before reset()): the id of the running request whose own

@@ -15,7 +15,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from specdecode.engine.driver import StepFailed
+from specdecode.engine.engine import StepFailed
 from specdecode.engine.output import HeldTokens
 from specdecode.frontend import responses as protocol
 from specdecode.frontend.schema import ApiError, ChatRequest, CompletionRequest, check_model, parse

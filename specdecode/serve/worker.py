@@ -4,8 +4,9 @@ loop) submit requests and read their events (continuous batching across clients)
 Handlers never touch the engine. They put commands in the worker's inbox; the worker applies
 them between steps, so a request joins the running batch at the next step and an abort frees its
 row before the next one. Each step's outputs go back to each handler's asyncio queue with
-`call_soon_threadsafe`. An exception raised by a step fails the requests running in it (each gets
-the error), empties the caches, and the worker goes on serving.
+`call_soon_threadsafe`. An exception raised by a step fails the requests in it (Engine.fail: the
+request at fault gets the error, the others a retryable StepFailed), empties the caches, and the
+worker goes on serving.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from specdecode.engine.driver import StepFailed
 from specdecode.engine.engine import Engine, StepOutput
 from specdecode.engine.request import Request
 from specdecode.engine.threads import ComputeThread
@@ -120,7 +120,7 @@ class EngineWorker:
             self._apply_inbox()
             if self._stop:
                 self._apply_inbox()  # what was submitted before _stop was set: answered below
-                self._abort_all(None)
+                self._shut_down()
                 return
             if not self.engine.has_work:
                 self._wake.wait(0.5)
@@ -131,7 +131,9 @@ class EngineWorker:
                 outputs = self.engine.step()
             except Exception as err:  # one bad step must not stop the server
                 log.exception("an engine step failed; its %d requests get an error", len(self._handles))
-                self._abort_all(err, self.engine.culprit(err))
+                for request_id, item in self.engine.fail(err).items():
+                    if (handle := self._handles.pop(request_id, None)) is not None:
+                        self._send(handle, item)
                 continue
             self._deliver(outputs)
             if self.on_step is not None:
@@ -166,22 +168,11 @@ class EngineWorker:
                 del self._handles[output.request_id]
                 self._send(handle, None)
 
-    def _abort_all(self, error: Exception | None, culprit: int | None = None) -> None:
-        """Every running request ends: with ShuttingDown (error None), else with the step's error,
-        which only the culprit (the request whose own code raised it) gets where there is one, the
-        others a StepFailed naming it."""
-        if error is not None:  # the caches may hold a half-done step: start clean
-            self.engine.reset()
+    def _shut_down(self) -> None:
+        """Every request in the engine ends with ShuttingDown."""
         for request_id, handle in list(self._handles.items()):
-            if error is None:
-                self.engine.abort(request_id)
-                item = ShuttingDown("the server is shutting down")
-            elif culprit is None or request_id == culprit:
-                item = error
-            else:
-                item = StepFailed(f"another request in the same decoding step failed ({type(error).__name__}); "
-                                  f"this one ended with it")
-            self._send(handle, item)
+            self.engine.abort(request_id)
+            self._send(handle, ShuttingDown("the server is shutting down"))
         self._handles.clear()
 
     @staticmethod
