@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from specdecode.engine.driver import Driver
 from specdecode.frontend.builder import WireRequest
 from specdecode.frontend import responses
 from specdecode.frontend.schema import ApiError, ChatRequest, check_model
@@ -103,7 +102,7 @@ def decode_rows(decoder, rows: Iterable[Row], max_batch_size: int, model: str = 
         body = responses.full_response(ids, results, wire.prompt_tokens, decoder.tokenizer, wire)
         emit(openai_record(row, 200, body) if row.openai else result_record(row, results, body))
 
-    Driver(decoder.engine).decode_all(rows, submit, finish, max_batch_size)
+    decoder.driver.decode_all(rows, submit, finish, max_batch_size)
     return records
 
 
