@@ -62,90 +62,11 @@ def _one_of(name: str, value, kind) -> None:
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """How a SpeculativeDecoder is built: the models, how drafts are made and verified, the
-    numerics and the batch. Every field has a default; `validate()` checks them together.
+    """How a SpeculativeDecoder is built: the models, how drafts are made and verified (paper
+    §2.1-2.3, §3.6; every option is exact), the guard (Cor. 3.9 at run time), the numerics, the
+    placement and the batch. Every field has a default; `validate()` checks them together.
 
-    Models:
-        target: "default" (the zoo pair's target), a zoo name, a local directory, a GGUF file, a
-            hub id, or a loaded transformers PreTrainedModel (then the decoder needs tokenizer=).
-        draft: the same forms, or None for plain decoding (default "default": the zoo's draft).
-            A draft whose tokenizer differs from the target's proposes through the token strings
-            both vocabularies hold (exact: specdecode.proposers.cross_vocab).
-        draft_tokenizer: the draft's tokenizer (an object, or a name or path) where it is not the
-            target's (a draft given as a model object otherwise gets the target's).
-        cross_vocab: for a draft of another vocabulary: "auto" (TLI for sampled requests, SLEM
-            for greedy ones), "tli" or "slem" for every request.
-    Drafting (paper §2.1-2.3, §3.6; all exact):
-        num_speculative_tokens: γ, the most drafts per target call (>= 1; default 8). dtype="auto"
-            may lower it (Eq. 1 with this machine's measured verify cost).
-        draft_confidence: stop drafting once the draft is less sure than this of its own token,
-            in [0, 1) (default 0.4); 0 always drafts γ tokens.
-        gamma_schedule: "fixed" (up to γ every step) or "adaptive" (start at 4, +2 after a fully
-            accepted block, -1 otherwise, within [1, γ]).
-        verification: "token" (paper §2.3), "block" (Sun et al. 2024: the block jointly, never
-            fewer accepted drafts in expectation; the same output under greedy decoding) or
-            "drafter-invariant" (each token is the target's own sample from noise keyed by the seed
-            and its position, and drafts are kept where they equal it: a seeded request gives the
-            same tokens with or without speculation, whatever was drafted; fewer drafts accepted
-            than "token", verify.drafter_invariant_step). All three are exact.
-        tree_width: draft a token tree with up to this many candidates where the draft is less
-            than tree_confidence sure (verify.tree_step); 1 (default) drafts a chain. Needs
-            verification="token", a draft with the target's tokenizer and a torch target.
-        tree_confidence: in (0, 1] (default 0.8).
-        free_drafts: drafts that cost no model, tried first, the draft model serving the other
-            steps: "suffix" (the most frequent continuation of the row's last tokens in its prompt,
-            its output and earlier requests: specdecode.proposers.suffix), "ngram" (prompt lookup:
-            what followed the latest match of the last 2-3 tokens in the row), "off", or "auto"
-            (default): "suffix" when there is a draft model, "off" without one (draft=None with
-            "suffix" or "ngram" drafts from them alone).
-        draft_vocab_limit: the draft scores only ids below this (a cheaper LM head; q is zero
-            elsewhere); None the whole vocabulary; "auto" (default) the zoo's measured limit for
-            zoo drafts, None for others.
-        quantize_draft: "int4" (groups of 32), "int8" (per-row scales), "none" (torch, its float
-            weights), "gguf" (its GGUF file as it is, on llama.cpp: a zoo draft or a .gguf path), or
-            "auto" (default): on the CPU the fastest measured where dtype="auto" times them, else
-            int4 (the GGUF file with a llama.cpp target), for a draft loaded by name or path;
-            none otherwise. Only the proposal changes, so the output stays exact (paper §3.6).
-    Guard (Cor. 3.9 at run time):
-        guard: pause drafting while the request's acceptances say it does not pay, and with two
-            or more such requests, on steps where a plain step serves the batch better (engine.
-            guard, engine.cost; both use costs the loop measures as it runs). Seeded sampled
-            requests are never paused (a seed's output must not depend on the batch). Default True.
-        guard_costs: the starting (c, slope) or (c, slope, base) for the guard: c = a draft step
-            over a target step, and a call verifying k drafts costs 1 + base + slope·k target
-            steps (base 0 if not given); None (default) times a few forwards at load.
-    Numerics and placement:
-        dtype: "auto" (default): on the CPU, the measured choice among this machine's candidates
-            (torch bfloat16 two ways, float32 with packed weights, and with llama-cpp-python a
-            llama.cpp BF16 target; every draft kernel): the model of the dequantized weights,
-            computed as fast as this machine allows (specdecode.tune). "bfloat16", "float32",
-            "float16", "float64": torch in that dtype, nothing timed. "gguf": the target computed in
-            its GGUF file's own quantization (a different model, exact with respect to itself) by
-            llama.cpp or, for Qwen2 files of Q4_K/Q6_K blocks, by specdecode's
-            batch-invariant kernels (models/kquant.py), whichever the timings favour (the draft
-            and γ are timed and chosen too, plain decoding where no draft model pays).
-        batch_invariant: compute every token's logits with the same bits whether the target reads
-            it alone (a plain step), among a verify's k tokens or beside other requests' rows
-            (specdecode.models.invariant): greedy speculative output then equals plain greedy
-            output token for token, and a seeded request gives the same tokens with speculation
-            on or off and whatever runs beside it. "auto" (default): on the CPU for a bfloat16
-            Llama/Qwen2 target on torch where a C++ compiler builds the kernels (dtype="bfloat16"
-            always there; dtype="auto" when they are fastest or within 5% of the fastest;
-            dtype="gguf" likewise for the file's own K-quant blocks against llama.cpp); True:
-            always (ValueError where it cannot run); False: never. configuration() says which.
-        backend: "auto" (default; dtype decides), "torch", or "llama.cpp" (GGUF files through
-            llama-cpp-python; with dtype "auto" or "bfloat16" the target as a BF16 GGUF, with
-            "float32" as an F32 GGUF, both converted once by llama.cpp; docs/llamacpp.md).
-        device: None (where a model object is, else "cpu"), "cpu", "cuda", "cuda:N" or "mps".
-        device_map: spread a target loaded by name or path over devices (transformers'
-            from_pretrained device_map); offload_folder: where accelerate keeps "disk" layers.
-    Batch and defaults:
-        max_batch_size: the most requests decoded together (None: no limit).
-        max_model_len: the most tokens a request may hold, prompt and output together, below the
-            target's own context window (None: the window): a longer prompt is refused with a
-            ValueError (400 in the server), an output stops there (finish_reason "length").
-        use_generation_config: apply the target's generation_config values that can be applied
-            exactly (repetition_penalty, no_repeat_ngram_size); others are named in a warning.
+    Fields (each one's text is HELP[name], which the CLI's help and docs/api.md's table show too):
     """
 
     target: Any = "default"
@@ -341,3 +262,99 @@ class DecoderConfig:
                 raise ValueError(f"{name} is a {type(value).__name__} object; a config sent to another process "
                                  "needs names or paths")
         return dataclasses.asdict(self)
+
+
+# One text per option: DecoderConfig's docstring, the CLI's help (cli.common, without the Markdown)
+# and docs/api.md's table (tests/test_docs.py checks it against markdown_table()) all show these.
+HELP = {
+    "target": "the zoo pair's target, a zoo name (`qwen2.5-coder-1.5b-instruct`, `qwen2.5-coder-0.5b-instruct`, "
+              "`smollm2-135m-instruct`), a local directory saved with `save_pretrained`, a GGUF file, a hub id "
+              "(needs a hub), or a loaded `PreTrainedModel` (then pass `tokenizer=`)",
+    "draft": "the same forms, or `None` for plain decoding through the same loop",
+    "draft_tokenizer": "the draft's tokenizer (an object, a name or a path) where it is not the target's; a draft "
+                       "whose tokenizer differs from the target's proposes through the token strings both "
+                       "vocabularies hold, exactly",
+    "cross_vocab": "for a draft of another vocabulary: `\"auto\"` (TLI for sampled requests, SLEM for greedy "
+                   "ones), `\"tli\"` or `\"slem\"` for every request "
+                   "([draft sources](draft-sources.md#a-draft-of-another-vocabulary-tli-and-slem))",
+    "num_speculative_tokens": "γ, the most drafts per target call (≥ 1); `dtype=\"auto\"` may lower it for this "
+                              "machine",
+    "draft_confidence": "stop drafting once the draft is less sure than this of its own token, in [0, 1); 0 always "
+                        "drafts γ",
+    "gamma_schedule": "`\"fixed\"`: up to γ every step; `\"adaptive\"`: start at 4, +2 after a fully accepted "
+                      "block, −1 otherwise, within [1, γ]",
+    "verification": "`\"token\"` (paper §2.3), `\"block\"` (block verification, Sun et al.: never fewer accepted "
+                    "drafts in expectation, the same output when greedy) or `\"drafter-invariant\"` (an "
+                    "exponential race keyed by the seed and position: a seeded sampled request gives the same "
+                    "tokens with or without drafts; "
+                    "[exactness](exactness.md#seeded-sampling-that-does-not-depend-on-the-drafts-verificationdrafter-invariant))",
+    "tree_width": "draft a token tree with up to this many candidates where the draft is unsure, scored in the "
+                  "same target call and verified exactly; 1 drafts a chain (a tree needs `verification=\"token\"`, "
+                  "the target's tokenizer and a torch target)",
+    "tree_confidence": "branch where the draft is less sure than this of its token, in (0, 1]",
+    "free_drafts": "drafts that cost no model, tried first, the draft model serving the other steps: `\"suffix\"` "
+                   "(the most frequent continuation of the last tokens in the prompt, the output and earlier "
+                   "requests), `\"ngram\"` (prompt lookup), `\"off\"`; `\"auto\"` is `\"suffix\"` with a draft model "
+                   "and `\"off\"` without one",
+    "draft_vocab_limit": "the draft scores only ids below this (a cheaper LM head); `None` the whole vocabulary; "
+                         "`\"auto\"` 32768 for the zoo's draft, `None` for others",
+    "quantize_draft": "`\"int4\"` (groups of 32), `\"int8\"` (per-row scales), `\"none\"`; `\"gguf\"`: the draft's "
+                      "GGUF file as it is, on llama.cpp; `\"auto\"`: int4 for a draft loaded by name or path on the "
+                      "CPU (its GGUF file with a llama.cpp target), none otherwise (with `dtype=\"auto\"` the "
+                      "draft's kernels are timed against each other)",
+    "guard": "pause drafting while the acceptances say it does not pay (paper Cor. 3.9 at run time, with costs "
+             "the loop measures as it runs); seeded sampled requests under the token rule are never paused",
+    "guard_costs": "the guard's starting (c, slope) or (c, slope, base): a call verifying k drafts costs "
+                   "1 + base + slope·k target steps; `None` takes them from the choice's timings, or times a few "
+                   "forwards at load",
+    "dtype": "the measured choice on the CPU ([auto-configuration](auto-configuration.md)); `\"bfloat16\"`, "
+             "`\"float32\"`, `\"float16\"`, `\"float64\"`: torch in that dtype, honoured as given; `\"gguf\"`: the "
+             "GGUF file's own quantization, on llama.cpp or (a Qwen2 file of Q4_K/Q6_K blocks) on specdecode's "
+             "batch-invariant kernels, whichever the timings favour "
+             "([llamacpp.md](llamacpp.md#the-files-own-blocks-on-specdecodes-kernels))",
+    "batch_invariant": "each token's logits the same bits alone, in a verify or beside other rows: greedy "
+                       "speculative output = plain greedy output of the same model, token for token "
+                       "([exactness](exactness.md#numerics-batch-invariance-and-bfloat16-near-ties-elsewhere)); "
+                       "`\"auto\"`: a bfloat16 Llama/Qwen2 target on torch on the CPU where specdecode's kernels "
+                       "build (always with `dtype=\"bfloat16\"`, with `\"auto\"` when within 5% of the fastest), "
+                       "and with `dtype=\"gguf\"` a Qwen2 file's own Q4_K/Q6_K blocks where those kernels are "
+                       "within 5% of llama.cpp; `True` (`\"on\"`): required (ValueError where it cannot run); "
+                       "`False` (`\"off\"`): never",
+    "backend": "`\"torch\"` or `\"llama.cpp\"` (GGUF files through llama-cpp-python: [llamacpp.md](llamacpp.md)); "
+               "`\"auto\"`: `dtype` decides",
+    "device": "where a model object is, else `\"cpu\"`; `\"cpu\"`, `\"cuda\"`, `\"cuda:N\"`, `\"mps\"`",
+    "device_map": "spread a target loaded by name or path over devices: `\"auto\"`, `\"balanced\"`, "
+                  "`\"balanced_low_0\"`, `\"sequential\"` or a `{module: device}` dict (transformers' "
+                  "`device_map`); the draft runs on the target's first device",
+    "offload_folder": "where accelerate keeps `\"disk\"` layers of a `device_map`",
+    "max_batch_size": "the most requests decoded together (`None`: no limit)",
+    "max_model_len": "the most tokens a request may hold, prompt and output together, below the target's own "
+                     "context window (`None`: the window): a longer prompt is refused (`ValueError`; 400 in the "
+                     "server), an output stops there (`finish_reason` `\"length\"`)",
+    "use_generation_config": "apply the target's `generation_config` values that can be applied exactly "
+                             "(repetition_penalty, no_repeat_ngram_size); others are named in a warning",
+}
+
+
+def plain_text(markdown: str) -> str:
+    """A HELP text without its Markdown (links kept as their words, no backticks): for --help."""
+    import re
+
+    return re.sub(r"\[([^\]]+)\]\([^)]+\)", r"\1", markdown).replace("`", "")
+
+
+def default_text(name: str) -> str:
+    """A field's default as docs/api.md's table shows it (`"auto"`, 8, `None`, ...)."""
+    value = next(f.default for f in dataclasses.fields(DecoderConfig) if f.name == name)
+    return f'`"{value}"`' if isinstance(value, str) else f"`{value}`" if value is None or isinstance(value, bool) \
+        else str(value)
+
+
+def markdown_table() -> str:
+    """docs/api.md's table of DecoderConfig's options, from HELP and the defaults."""
+    rows = [f"| `{f.name}` | {default_text(f.name)} | {HELP[f.name]} |" for f in dataclasses.fields(DecoderConfig)]
+    return "\n".join(["| option | default | what it does |", "|---|---|---|", *rows])
+
+
+DecoderConfig.__doc__ = DecoderConfig.__doc__.rstrip(" ") + "".join(f"    {f.name} (default {plain_text(default_text(f.name))}): {plain_text(HELP[f.name])}\n"
+                                 for f in dataclasses.fields(DecoderConfig))

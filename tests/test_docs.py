@@ -69,3 +69,19 @@ def test_the_link_check_finds_a_missing_file_and_a_missing_heading(tmp_path):
 
 def test_the_readme_fits_on_a_page():
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 260
+
+
+def test_the_option_tables_are_the_ones_the_code_makes():
+    # docs/api.md's DecoderConfig table and docs/cli.md's flag table come from the code
+    # (config.HELP, cli.common.MODEL_FLAGS): regenerate them with these functions after a change
+    import dataclasses
+
+    from specdecode.cli.common import MODEL_FLAGS, flags_table
+    from specdecode.config import HELP, DecoderConfig, markdown_table
+
+    assert markdown_table() in (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    assert flags_table() in (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    fields = {f.name for f in dataclasses.fields(DecoderConfig)}
+    assert set(HELP) == fields
+    api_only = {"guard_costs", "device", "offload_folder", "max_batch_size", "use_generation_config"}
+    assert {field for field, _, _ in MODEL_FLAGS} == fields - api_only  # (--max-batch-size: per command)

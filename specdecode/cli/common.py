@@ -24,121 +24,109 @@ RUNS_DIR = "specdecode-runs"
 DEFAULTS = DecoderConfig()
 
 
+def _flag_help(field: str, extra: str = "") -> str:
+    """A model flag's help: its DecoderConfig field's one text (options.HELP), what the flag adds,
+    and the default; argparse formats it, so a literal % is doubled."""
+    return (options.plain_text(options.HELP[field]) + extra).replace("%", "%%")
+
+
+# The model flags, one per DecoderConfig field that a command can set: (field, flags, argparse
+# keywords). Their help is the field's HELP text; decoder_config reads them back by field name.
+MODEL_FLAGS = [
+    ("target", ("--target",), dict(default="default", metavar="MODEL", shown=f"default, {zoo.DEFAULT_TARGET}")),
+    ("draft", ("--draft",), dict(default="default", metavar="MODEL", extra="; on the command line 'none'",
+                                 shown=f"default, {zoo.DEFAULT_DRAFT}")),
+    ("draft_tokenizer", ("--draft-tokenizer",), dict(default=None, metavar="PATH")),
+    ("cross_vocab", ("--cross-vocab",), dict(choices=get_args(options.CrossVocab))),
+    ("num_speculative_tokens", ("-k", "--num-speculative-tokens"), dict(type=int)),
+    ("gamma_schedule", ("--gamma-schedule",), dict(choices=get_args(options.GammaSchedule))),
+    ("verification", ("--verification",), dict(choices=get_args(options.Verification),
+                                               extra="; lenience < 1 needs token")),
+    ("tree_width", ("--tree-width",), dict(type=int, metavar="W")),
+    ("tree_confidence", ("--tree-confidence",), dict(type=float, metavar="C")),
+    ("draft_confidence", ("--draft-confidence",), dict(type=float)),
+    ("draft_vocab_limit", ("--draft-vocab-limit",), dict(type=int, default=None, metavar="N")),
+    ("free_drafts", ("--free-drafts",), dict(choices=get_args(options.FreeDrafts))),
+    ("quantize_draft", ("--quantize-draft",), dict(choices=get_args(options.Quantization))),
+    ("guard", ("--guard",), dict(action=argparse.BooleanOptionalAction)),
+    ("dtype", ("--dtype",), dict(choices=get_args(options.DType))),
+    ("batch_invariant", ("--batch-invariant",), dict(default="auto", choices=("auto", "on", "off"))),
+    ("backend", ("--backend",), dict(choices=get_args(options.Backend))),
+    ("device_map", ("--device-map",), dict(default=None, choices=get_args(options.DeviceMap))),
+    ("max_model_len", ("-c", "--max-model-len"), dict(type=int, default=None, metavar="N")),
+]
+# Spellings kept from earlier versions: (flags, field, the value they set)
+FLAG_ALIASES = [("--prompt-lookup", "free_drafts", "suffix"), ("--no-prompt-lookup", "free_drafts", "off"),
+                ("--ngram-lookup", "free_drafts", "ngram"), ("--no-quantize-draft", "quantize_draft", "none")]
+
+
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """The target, the draft and how drafts are made: shared by generate, alpha, bench, serve and
-    batch. Each flag is a DecoderConfig field (specdecode.config documents them); its checks are
-    DecoderConfig.validate's, run by decoder_config before any model loads."""
-    parser.add_argument("--target", default="default",
-                        help=f"target model: a zoo name ({', '.join(zoo.ZOO)}), a local directory, a GGUF file or a "
-                             f"hub id (default: {zoo.DEFAULT_TARGET})")
-    parser.add_argument("--draft", default="default",
-                        help=f"draft model, same forms as --target, or 'none' for plain decoding (default: {zoo.DEFAULT_DRAFT})")
-    parser.add_argument("--draft-tokenizer", default=None, metavar="PATH",
-                        help="the draft's tokenizer (a directory or hub id), where its folder lacks it. A draft "
-                             "whose tokenizer differs from the target's proposes through the token strings both "
-                             "vocabularies hold, exactly (default: the draft's own)")
-    parser.add_argument("--cross-vocab", choices=get_args(options.CrossVocab), default=DEFAULTS.cross_vocab,
-                        help="for a draft of another vocabulary: tli samples from the draft restricted to the "
-                             "shared tokens; slem decodes the draft greedily and tokenizes its text for the target; "
-                             "auto: slem for greedy requests, tli for sampled ones (both exact; default: auto)")
-    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULTS.num_speculative_tokens,
-                        help=f"γ: the most draft tokens proposed per target call (default: "
-                             f"{DEFAULTS.num_speculative_tokens}; --dtype auto may lower it for this machine)")
-    parser.add_argument("--gamma-schedule", choices=get_args(options.GammaSchedule), default=DEFAULTS.gamma_schedule,
-                        help="fixed: draft up to γ tokens every step; adaptive: start at 4, +2 after a fully "
-                             "accepted block, -1 otherwise, within [1, γ] (exact either way; "
-                             f"default: {DEFAULTS.gamma_schedule})")
-    parser.add_argument("--verification", choices=get_args(options.Verification), default=DEFAULTS.verification,
-                        help="token: verify drafts one by one (paper §2.3); block: verify each drafted block "
-                             "jointly (Sun et al. 2024), exact too and never fewer accepted drafts in "
-                             "expectation, the same output when greedy; drafter-invariant: an exponential race "
-                             "keyed by --seed and position, exact too, so a seeded sampled request gives the same "
-                             "tokens with or without drafts (Daliri et al. 2024); lenience < 1 needs token "
-                             f"(default: {DEFAULTS.verification})")
-    parser.add_argument("--tree-width", type=int, default=DEFAULTS.tree_width, metavar="W",
-                        help="draft a token tree: up to W candidates at each position where the draft is unsure "
-                             "(below --tree-confidence), scored in the same target call and verified exactly; "
-                             "1 drafts a chain (default: 1)")
-    parser.add_argument("--tree-confidence", type=float, default=DEFAULTS.tree_confidence, metavar="C",
-                        help=f"branch where the draft's probability of its token is below C, in (0, 1] (default: "
-                             f"{DEFAULTS.tree_confidence})")
-    parser.add_argument("--draft-confidence", type=float, default=DEFAULTS.draft_confidence,
-                        help="dynamic γ: stop drafting once the draft's probability of its own token falls "
-                             "below this, in [0, 1); exact either way; 0 always drafts γ tokens "
-                             f"(default: {DEFAULTS.draft_confidence})")
-    parser.add_argument("--draft-vocab-limit", type=int, default=None, metavar="N",
-                        help="the draft scores only token ids below N: a cheaper LM head, still exact "
-                             "(default: 32768 for the zoo's draft, the whole vocabulary for others)")
-    parser.add_argument("--free-drafts", choices=get_args(options.FreeDrafts), default=DEFAULTS.free_drafts,
-                        help="drafts that cost no model, tried first, the draft model serving the other steps: "
-                             "suffix (the most frequent continuation of the last tokens in the prompt, the output "
-                             "and earlier requests), ngram (plain prompt lookup: what followed the latest match of "
-                             "the last 2-3 tokens in the row), off; auto: suffix with a draft model, off without "
-                             "one (--draft none --free-drafts suffix uses them alone; default: auto)")
-    parser.add_argument("--prompt-lookup", dest="free_drafts", action="store_const", const="suffix",
-                        help="the same as --free-drafts suffix")
-    parser.add_argument("--no-prompt-lookup", dest="free_drafts", action="store_const", const="off",
-                        help="the same as --free-drafts off")
-    parser.add_argument("--ngram-lookup", dest="free_drafts", action="store_const", const="ngram",
-                        help="the same as --free-drafts ngram")
-    parser.add_argument("--quantize-draft", choices=get_args(options.Quantization), default=DEFAULTS.quantize_draft,
-                        help="store the draft's weights as int8 (per-row scales) or int4 (groups of 32) for a "
-                             "faster draft step; exact either way, since only the proposal changes; auto: "
-                             f"{options.DEFAULT_DRAFT_QUANTIZATION} for decoder-only drafts loaded by name or path on "
-                             "the CPU, timed against the others with --dtype auto (default: auto)")
-    parser.add_argument("--no-quantize-draft", dest="quantize_draft", action="store_const", const="none",
-                        help="the same as --quantize-draft none")
-    parser.add_argument("--guard", action=argparse.BooleanOptionalAction, default=DEFAULTS.guard,
-                        help="pause drafting while the acceptances say it does not pay (paper Cor. 3.9: "
-                             "only if α > c, with c timed at load and then kept current from the loop's own step "
-                             "timings), probing again every 16 steps; exact and reproducible either way "
-                             "(default: on)")
-    parser.add_argument("--dtype", default=DEFAULTS.dtype, choices=get_args(options.DType),
-                        help="the target's numerics. auto (default): the bfloat16 (or float32) model of the "
-                             "weights, computed by the kernels this machine runs fastest (timed once and cached; one "
-                             "line says which); bfloat16, float32, float16, float64: torch in that dtype (float32 "
-                             "for bit-exact comparisons); gguf: the GGUF file's own quantization, on llama.cpp or on "
-                             "specdecode's kernels (whichever is faster here)")
-    parser.add_argument("--batch-invariant", default="auto", choices=("auto", "on", "off"),
-                        help="compute each token's logits with the same bits alone, in a verify or beside other "
-                             "requests (specdecode's own kernels, bfloat16 or a GGUF file's Q4_K/Q6_K blocks): greedy "
-                             "speculative output equals plain greedy output token for token. auto (default): where those kernels run and, with "
-                             "--dtype auto, are within 5%% of the fastest; on: always (exit 2 where they cannot); "
-                             "off: never")
-    parser.add_argument("--backend", default=DEFAULTS.backend, choices=get_args(options.Backend),
-                        help="torch or llama.cpp (GGUF files through llama-cpp-python); auto (default): --dtype "
-                             "decides")
-    parser.add_argument("--device-map", default=None, choices=get_args(options.DeviceMap),
-                        help="spread a target too big for one device over the GPUs (and the CPU) with transformers' "
-                             "device_map; the draft runs on the target's first device (default: off)")
-    parser.add_argument("--ignore-generation-config", action="store_true",
-                        help="do not apply the target's generation_config defaults (by default its "
-                             "repetition_penalty and no_repeat_ngram_size apply, exactly; other values it sets "
-                             "are named in a warning and not applied)")
+    """The target, the draft and how drafts are made: shared by generate, chat, alpha, bench,
+    serve and batch. Each flag is a DecoderConfig field (MODEL_FLAGS; its help is the field's
+    HELP text); its checks are DecoderConfig.validate's, run by decoder_config before any model
+    loads."""
+    for field, flags, keywords in MODEL_FLAGS:
+        keywords = dict(keywords)
+        extra = keywords.pop("extra", "")
+        keywords.setdefault("default", getattr(DEFAULTS, field))
+        shown = keywords.pop("shown", "auto" if field == "draft_vocab_limit" else keywords["default"])
+        default = "" if keywords.get("action") else f" (default: {shown})"
+        parser.add_argument(*flags, dest=field, help=_flag_help(field, extra + default), **keywords)
+    for flag, field, value in FLAG_ALIASES:
+        parser.add_argument(flag, dest=field, action="store_const", const=value,
+                            help=f"the same as {flag_of(field)} {value}")
+    parser.add_argument("--ignore-generation-config", dest="use_generation_config", action="store_false",
+                        help=_flag_help("use_generation_config", ": this flag turns that off"))
     parser.add_argument("--threads", "-t", type=int, default=None, metavar="N",
                         help="CPU threads for torch and llama.cpp (default: torch's, one per core); on the "
                              "batch-invariant kernels the most: fewer run while other processes keep cores busy "
                              "(the same tokens); the choice of kernels is timed and cached per thread count")
-    parser.add_argument("--max-model-len", "-c", type=int, default=None, metavar="N",
-                        help="the most tokens a request may hold, prompt and output together (default: the "
-                             "target's context window): longer prompts are refused, outputs stop there")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress messages, progress bars or summary on stderr (errors still print)")
+
+
+def flags_table() -> str:
+    """docs/cli.md's table of the model and speed flags, from MODEL_FLAGS (tests/test_docs.py
+    checks the page against it)."""
+    aliases = {}
+    for flag, field, value in FLAG_ALIASES:
+        aliases.setdefault(field, []).append(f"`{flag}` = {value}")
+    rows = ["| flag | `DecoderConfig` field |", "|---|---|"]
+    for field, flags, keywords in MODEL_FLAGS:
+        choices = keywords.get("choices")
+        shown = " / ".join(f"`{flag}`" for flag in flags)
+        if choices:
+            shown += " " + "\\|".join(choices)
+        elif keywords.get("metavar"):
+            shown += f" {keywords['metavar']}"
+        elif keywords.get("action") is argparse.BooleanOptionalAction:
+            shown += f" / `--no-{flags[-1][2:]}`"
+        if field in aliases:
+            shown += f" (aliases: {', '.join(aliases[field])})"
+        rows.append(f"| {shown} | `{field}` |")
+    rows += ["| `--ignore-generation-config` | `use_generation_config=False` |",
+             "| `-t` / `--threads` N | (torch's and llama.cpp's thread count; not a `DecoderConfig` field; on the "
+             "batch-invariant kernels the most, [fewer while other processes keep cores busy]"
+             "(api.md#threads-and-a-busy-machine)) |",
+             "| `--quiet` | no progress messages, bars or summary on stderr (errors still print) |"]
+    return "\n".join(rows)
+
+
+def flag_of(field: str) -> str:
+    """The flag that sets a DecoderConfig field (MODEL_FLAGS), or --field-name."""
+    flags = next((flags for name, flags, _ in MODEL_FLAGS if name == field), None)
+    if flags is None:
+        return "--" + field.replace("_", "-")
+    return "/".join(flags)
 
 
 def decoder_config(args, parser: argparse.ArgumentParser, **extra) -> DecoderConfig:
     """The validated DecoderConfig the model flags (and `extra` fields) give; a bad value or two
     flags that clash exit 2 with DecoderConfig.validate's line, before any model loads."""
-    fields = dict(target=args.target, draft=None if args.draft == "none" else args.draft,
-                  draft_tokenizer=args.draft_tokenizer, cross_vocab=args.cross_vocab,
-                  num_speculative_tokens=args.num_speculative_tokens, draft_confidence=args.draft_confidence,
-                  gamma_schedule=args.gamma_schedule, verification=args.verification, tree_width=args.tree_width,
-                  tree_confidence=args.tree_confidence, free_drafts=args.free_drafts,
-                  draft_vocab_limit="auto" if args.draft_vocab_limit is None else args.draft_vocab_limit,
-                  quantize_draft=args.quantize_draft, guard=args.guard, dtype=args.dtype, backend=args.backend,
-                  batch_invariant={"auto": "auto", "on": True, "off": False}[args.batch_invariant],
-                  device_map=args.device_map, max_model_len=args.max_model_len,
-                  use_generation_config=not args.ignore_generation_config)
+    fields = {field: getattr(args, field) for field, _, _ in MODEL_FLAGS}
+    fields["use_generation_config"] = args.use_generation_config
+    if fields["draft_vocab_limit"] is None:
+        fields["draft_vocab_limit"] = "auto"
     if args.threads is not None:
         if args.threads < 1:
             parser.error(f"--threads must be >= 1, got {args.threads}")
@@ -153,8 +141,8 @@ def decoder_config(args, parser: argparse.ArgumentParser, **extra) -> DecoderCon
             args.threads = cpus
         torch.set_num_threads(args.threads)
     try:
-        return DecoderConfig(**{**fields, **extra}).validate()
-    except ValueError as err:
+        return DecoderConfig.from_options(**{**fields, **extra}).validate()
+    except (ValueError, TypeError) as err:
         parser.error(as_flags(str(err)))
 
 
@@ -165,8 +153,7 @@ def as_flags(message: str) -> str:
     from specdecode.frontend.options import RequestOptions
     from specdecode.sampling import SamplingParams
 
-    def flag(name: str) -> str:
-        return "-k/--num-speculative-tokens" if name == "num_speculative_tokens" else "--" + name.replace("_", "-")
+    flag = flag_of
 
     fields = sorted({f.name for kind in (DecoderConfig, SamplingParams, RequestOptions) for f in dataclasses.fields(kind)}
                     - {"sampling", "n"}, key=len, reverse=True)
