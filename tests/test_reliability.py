@@ -3,6 +3,7 @@ safe from several threads, an abandoned stream is freed, and the server's worker
 request submitted while it shuts down. Tiny float32 models (greedy output is exact)."""
 
 import asyncio
+import contextlib
 import gc
 import threading
 import time
@@ -233,6 +234,25 @@ class SlowInbox:
         return self.inbox.get_nowait()
 
 
+@contextlib.contextmanager
+def _worker(decoder):
+    """The server's EngineWorker on the decoder's engine, with an event loop in a thread for its
+    handles; stopped, and the engine left clean, afterwards."""
+    from specdecode.serve.worker import EngineWorker
+
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
+    loop_thread.start()
+    worker = EngineWorker(decoder.engine, max_queue=10)
+    try:
+        yield worker, loop
+    finally:
+        worker.stop(timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join(10)
+        decoder.engine.reset()
+
+
 async def _last_item(handle):
     while True:
         item = await handle.queue.get()
@@ -245,7 +265,7 @@ def test_a_backend_error_ends_every_request_of_the_step_retryably_in_the_server_
     pytest.importorskip("fastapi")
     from specdecode.engine.engine import StepFailed
     from specdecode.serve.app import failure
-    from specdecode.serve.worker import EngineWorker, Handle
+    from specdecode.serve.worker import Handle
 
     backend, real = decoder.engine.target, decoder.engine.target.forward
     calls = {"n": 0}
@@ -257,11 +277,7 @@ def test_a_backend_error_ends_every_request_of_the_step_retryably_in_the_server_
         return real(*args, **kwargs)
 
     monkeypatch.setattr(backend, "forward", forward_failing_once)
-    loop = asyncio.new_event_loop()
-    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
-    loop_thread.start()
-    worker = EngineWorker(decoder.engine, max_queue=10)
-    try:
+    with _worker(decoder) as (worker, loop):
         config = decoder.requests.config(16, ENDLESS)
         handles = [Handle(decoder.requests.request(decoder.requests.encode(p, False), config), loop)
                    for p in ("abc", "ace")]
@@ -270,11 +286,6 @@ def test_a_backend_error_ends_every_request_of_the_step_retryably_in_the_server_
         items = [asyncio.run_coroutine_threadsafe(_last_item(h), loop).result(timeout=60) for h in handles]
         assert all(isinstance(item, StepFailed) and "backend broke" in str(item) for item in items)
         assert all(failure(item).status == 503 for item in items)  # the same rule as Driver: retryable
-    finally:
-        worker.stop(timeout=60)
-        loop.call_soon_threadsafe(loop.stop)
-        loop_thread.join(10)
-        decoder.engine.reset()
     calls["n"] = 0
     with pytest.raises(RuntimeError, match="backend broke"):  # the library's caller that stepped gets it
         decoder.generate("abc", max_new_tokens=16, sampling=ENDLESS, chat=False)
@@ -287,13 +298,9 @@ def test_the_servers_worker_gives_the_failing_request_its_error_and_the_others_a
 
     from specdecode.engine.engine import StepFailed
     from specdecode.serve.app import failure
-    from specdecode.serve.worker import EngineWorker, Handle
+    from specdecode.serve.worker import Handle
 
-    loop = asyncio.new_event_loop()
-    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
-    loop_thread.start()
-    worker = EngineWorker(decoder.engine, max_queue=10)
-    try:
+    with _worker(decoder) as (worker, loop):
         config = decoder.requests.config(16, ENDLESS)
         bad = Handle(decoder.requests.request(decoder.requests.encode("abc", False), dataclasses.replace(
             config, logits_processors=[failing_after(4, ValueError("bad"))])), loop)
@@ -307,8 +314,3 @@ def test_the_servers_worker_gives_the_failing_request_its_error_and_the_others_a
         again = Handle(decoder.requests.request(decoder.requests.encode("ace", False), config), loop)
         worker.submit(again)  # the worker goes on, clean
         assert asyncio.run_coroutine_threadsafe(_last_item(again), loop).result(timeout=60) is None
-    finally:
-        worker.stop(timeout=60)
-        loop.call_soon_threadsafe(loop.stop)
-        loop_thread.join(10)
-        decoder.engine.reset()
