@@ -392,8 +392,8 @@ def test_cli_prompts_file_prints_each_text_under_a_header(model_dirs, tmp_path, 
 
 
 @pytest.mark.parametrize("args,content,match", [
-    (["hello", "--prompts-file", "{path}"], "abc\n", "either a PROMPT or --prompts-file"),
-    ([], None, "either a PROMPT or --prompts-file"),
+    (["hello", "--prompts-file", "{path}"], "abc\n", "a PROMPT or --prompts-file FILE, not both"),
+    ([], None, "give a PROMPT or --prompts-file FILE"),
     (["--prompts-file", "{path}"], "\n\n", "holds no prompts"),
     (["--prompts-file", "{path}.jsonl"], '{"text": "abc"}\n', '"prompt" string'),
     (["--prompts-file", "{path}.jsonl"], "not json\n", "not JSON"),

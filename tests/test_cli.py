@@ -139,6 +139,9 @@ def test_summary_of_a_one_token_run_says_1_token(model_dirs, capsys):
     (["generate", "hi", "--logit-bias", "5:1"], "--logit-bias takes ID=BIAS"),
     (["generate", "hi", "--logit-bias", "5=200"], "--logit-bias values must be numbers in [-100, 100]"),
     (["generate", "hi", "--min-tokens", "9", "--max-new-tokens", "8"], "--min-tokens (9) must be at most"),
+    # no abbreviations (--gamma is not --gamma-schedule), and the command's own parser names it
+    (["generate", "hi", "--gamma", "0"], "specdecode generate: error: unrecognized arguments: --gamma 0"),
+    (["generate", "--bogus", "hi"], "specdecode generate: error: unrecognized arguments: --bogus"),
 ])
 def test_bad_flags_exit_2_with_one_error_line(args, message, capsys):
     with pytest.raises(SystemExit, match="^2$"):

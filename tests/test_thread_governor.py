@@ -67,6 +67,24 @@ def test_never_above_the_cap_and_a_cap_of_one_stays(threads):
     assert torch.get_num_threads() == 1 and single.changes == 0
 
 
+def test_while_a_governor_computes_on_fewer_threads_the_machine_is_still_planned_for_the_count_asked(threads):
+    # a second decoder built then (its prior, its choice's key, its own governor's cap) must see
+    # the count the user asked for, not the one other processes' load left for a moment
+    from specdecode.engine.threads import requested_threads
+    from specdecode.tune.hardware import cpu_report
+
+    load = Load()
+    torch.set_num_threads(2)
+    governor = ThreadGovernor(cores=2, interval=0.5, others=load.others, clock=load.clock)
+    load.now, load.cores = 1.0, 1.2
+    governor.tick()
+    assert torch.get_num_threads() == 1
+    assert requested_threads() == 2 and cpu_report()["threads"] == 2
+    assert ThreadGovernor(cores=2, others=load.others, clock=load.clock).max_threads == 2
+    torch.set_num_threads(3)  # the user asks again: that count it is
+    assert requested_threads() == 3
+
+
 def test_the_default_reads_this_machines_counters(threads):
     governor = ThreadGovernor()
     assert 1 <= governor.max_threads == torch.get_num_threads()

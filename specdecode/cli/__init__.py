@@ -17,7 +17,12 @@ COMMANDS = {"generate": generate, "chat": chat, "alpha": alpha, "bench": bench, 
 
 class Parser(argparse.ArgumentParser):
     """argparse with one-line usage errors: `specdecode generate: error: --flag ...` and exit 2 (the
-    full usage stays behind --help). Sub-command parsers are of this class too."""
+    full usage stays behind --help), and no abbreviated flags (`--gamma 0` would be taken as
+    `--gamma-schedule 0`). Sub-command parsers are of this class too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -41,11 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Runs one command; returns the exit status (2 for bad input, 130 after Ctrl-C)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    # the command's own parser, so that its errors (an unknown flag too) name the command
+    command_parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)) \
+        .choices[args.command]
+    if unknown:
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        # the command's own parser, so that its range errors name the command
-        command_parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)) \
-            .choices[args.command]
         common.COMMAND["name"] = args.command
         return COMMANDS[args.command].run(args, command_parser)
     except KeyboardInterrupt:  # Ctrl-C: whatever was printed stays, no traceback

@@ -44,7 +44,7 @@ MODEL_FLAGS = [
                                                extra="; lenience < 1 needs token")),
     ("tree_width", ("--tree-width",), dict(type=int, metavar="W")),
     ("tree_confidence", ("--tree-confidence",), dict(type=float, metavar="C")),
-    ("draft_confidence", ("--draft-confidence",), dict(type=float)),
+    ("draft_confidence", ("--draft-confidence",), dict(type=float, metavar="P")),
     ("draft_vocab_limit", ("--draft-vocab-limit",), dict(type=int, default=None, metavar="N")),
     ("free_drafts", ("--free-drafts",), dict(choices=get_args(options.FreeDrafts))),
     ("quantize_draft", ("--quantize-draft",), dict(choices=get_args(options.Quantization))),

@@ -154,7 +154,8 @@ def _parse(args, parser):
     except ValueError as err:
         parser.error(as_flags(str(err)))
     if (args.prompt is None) == (args.prompts_file is None):
-        parser.error("give either a PROMPT or --prompts-file FILE")
+        parser.error("give a PROMPT or --prompts-file FILE, not both" if args.prompt is not None
+                     else "give a PROMPT or --prompts-file FILE")
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.batch_size is not None and args.prompts_file is None:

@@ -140,6 +140,20 @@ class OthersMeter:
         return max(0.0, ((now[0] - last[0]) - (now[1] - last[1])) / (now[2] - last[2]))
 
 
+# The count a governor last set torch to, and the count it lowered it from (the user's, the CLI's
+# --threads): where torch's count is still the governor's, the requested one is the latter.
+_governed: dict = {"set": None, "from": None}
+
+
+def requested_threads() -> int:
+    """torch's thread count as the user or the CLI set it: where a governor has lowered it for
+    other processes' load, the count it was lowered from. The choice's key and prior
+    (tune.hardware.cpu_report) and every new governor read this, so that a second decoder built
+    while the first computes on fewer threads is planned for the machine, not for the moment."""
+    now = torch.get_num_threads()
+    return _governed["from"] if _governed["set"] == now and _governed["from"] is not None else now
+
+
 class ThreadGovernor:
     """Compute on the cores other processes leave free: every `interval` seconds (read at tick(),
     between engine steps, on the compute thread) the torch thread count becomes the cores of this
@@ -148,7 +162,7 @@ class ThreadGovernor:
     batch-invariant ones: threads split output columns, never a sum), so the tokens never change.
 
     Args:
-        max_threads: the cap (default: torch's thread count now, which `--threads` sets).
+        max_threads: the cap (default: requested_threads(), torch's count as `--threads` set it).
         cores: the CPUs this process may run on (default: its affinity set's size).
         interval: seconds between looks.
         others: a callable giving the cores others kept busy since its last call (default: an
@@ -160,7 +174,7 @@ class ThreadGovernor:
 
     def __init__(self, max_threads: int | None = None, cores: int | None = None, interval: float = 1.0,
                  others: Callable[[], float] | None = None, clock: Callable[[], float] = time.monotonic):
-        self.max_threads = max_threads or torch.get_num_threads()
+        self.max_threads = max_threads or requested_threads()
         self.cores = cores or usable_cpus()
         self.interval, self.clock = interval, clock
         self.others = others or OthersMeter()
@@ -175,5 +189,7 @@ class ThreadGovernor:
         want = max(1, min(self.max_threads, round(self.cores - self.others())))
         if want != torch.get_num_threads():
             log.debug("compute threads %d -> %d (other processes' load)", torch.get_num_threads(), want)
+            requested = requested_threads()
             torch.set_num_threads(want)
+            _governed.update({"set": want, "from": requested})
             self.changes += 1

@@ -28,6 +28,7 @@ from specdecode.models.quant_cache import prepare_draft_cached
 from specdecode.tune import cache
 from specdecode.tune.candidates import Loaders, measure_and_choose
 from specdecode.tune.costs import Choice
+from specdecode.engine.threads import requested_threads
 from specdecode.tune.hardware import CpuWatch, cpu_report, idle_now, native_bfloat16
 from specdecode.tune.prior import prior_choice, prior_gap
 from specdecode.tune.timing import guard_costs
@@ -61,6 +62,8 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None, m
             or the llama.cpp backend asked for without llama-cpp-python.
     """
     target, draft = model_names(config)
+    if torch.get_num_threads() != requested_threads():  # another decoder's governor lowered it for a while:
+        torch.set_num_threads(requested_threads())      # plan, and time, for the count asked for
     device = parse_device(config.device, target)
     llama = llamacpp.available()
     own_gguf = config.dtype == "gguf" and config.batch_invariant is True  # the file's blocks on our kernels only
@@ -117,8 +120,9 @@ def plan(config: DecoderConfig, progress: Callable[[str], None] | None = None, m
     if progress:
         machine = cpu_report()
         source = "cached, " if choice is cached else ""
-        progress(f"chose for this machine ({source}{machine['cpu']}, {machine['capability']}, {machine['threads']} "
-                 f"threads): {choice.headline()}")
+        threads = f"{machine['threads']} thread{'s' if machine['threads'] != 1 else ''}"
+        progress(f"chose for this machine ({source}{machine['cpu']}, {machine['capability']}, {threads}): "
+                 f"{choice.headline()}")
     upcast = not native_bfloat16()
     if choice.draft_kernel is None:
         # no draft model pays here; free drafts (suffix drafts by default, guarded) cost none and

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from specdecode.engine.threads import busy_seconds, own_seconds
+from specdecode.engine.threads import busy_seconds, own_seconds, requested_threads
 from specdecode.models import kernels
 
 # The flags that decide which kernels run (x86 and ARM names as /proc/cpuinfo spells them).
@@ -109,7 +109,7 @@ def cpu_report() -> dict:
     name, flags = _cpuinfo()
     return {"cpu": name, "capability": torch.backends.cpu.get_cpu_capability(),
             "native_bfloat16": native_bfloat16(), "flags": [f for f in KERNEL_FLAGS if f in flags],
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "threads": requested_threads(), "torch": torch.__version__,
             "emulated": {k: os.environ[k] for k in EMULATION_VARIABLES if os.environ.get(k)}}
 
 
