@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -51,7 +52,7 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy's too
 
 
 def _one_of(name: str, value, kind) -> None:
@@ -171,8 +172,7 @@ class DecoderConfig:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.max_batch_size is not None and (not _is_int(self.max_batch_size) or self.max_batch_size < 1):
             raise ValueError(f"max_batch_size must be None or an integer >= 1, got {self.max_batch_size!r}")
-        if self.batch_invariant not in (True, False, "auto") or isinstance(self.batch_invariant, int) \
-                and not isinstance(self.batch_invariant, bool):
+        if not (isinstance(self.batch_invariant, bool) or self.batch_invariant == "auto"):  # (1.0 == True)
             raise ValueError(f"batch_invariant must be True, False or 'auto', got {self.batch_invariant!r}")
         for name in ("guard", "use_generation_config"):
             if not isinstance(getattr(self, name), bool):  # guard="no" would be truthy: on

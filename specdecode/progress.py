@@ -45,7 +45,14 @@ def log(message: str) -> None:
 
 def default():
     """The library's default progress, `log`, shown on stderr where the application has set up no
-    logging of its own (neither a root handler nor one of this logger)."""
-    if not logging.getLogger().handlers and not logger.handlers:
+    logging of its own (neither a root handler nor one of this logger). Once the application has
+    (after an earlier decoder), its handlers show the lines and this module's stderr line goes."""
+    ours = [handler for handler in logger.handlers if getattr(handler, "by_default", False)]
+    if logging.getLogger().handlers:
+        for handler in ours:
+            logger.removeHandler(handler)
+    elif not logger.handlers:
         to_stderr()
+        for handler in logger.handlers:
+            handler.by_default = True
     return log

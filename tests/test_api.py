@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -243,8 +244,19 @@ def test_a_request_rule_and_its_message_are_the_same_in_the_library_and_the_cli(
 def test_batch_invariant_takes_the_clis_words_too():
     assert DecoderConfig.from_options(batch_invariant="on").batch_invariant is True
     assert DecoderConfig.from_options(batch_invariant="off").batch_invariant is False
-    with pytest.raises(ValueError, match="batch_invariant must be"):
-        DecoderConfig.from_options(batch_invariant="yes").validate()
+    for bad in ("yes", 1.0, 1, np.True_, 0.0):  # (1.0 == True, but later checks ask `is True`)
+        with pytest.raises(ValueError, match="batch_invariant must be"):
+            DecoderConfig.from_options(batch_invariant=bad).validate()
+
+
+def test_request_options_take_numpy_integers_and_refuse_a_stop_that_is_not_text():
+    from specdecode.frontend.options import RequestOptions
+
+    options = RequestOptions(np.int64(4), n=np.int64(2), logprobs=np.int64(3), lenience=np.float32(1)).validate()
+    assert (options.max_new_tokens, options.n, options.logprobs) == (4, 2, 3) and type(options.n) is int
+    for stop in (0, False, [1]):
+        with pytest.raises(TypeError, match="stop must be"):
+            RequestOptions(stop=stop).validate()
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -462,9 +474,15 @@ def test_generate_takes_logprobs_processors_and_grammars_and_checks_them(decoder
                          (dict(logits_processors=[1]), "logits_processors must be"),
                          (dict(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}),
                           "invalid JSON schema"),
-                         (dict(grammar="root ::= ("), "invalid grammar")):
+                         (dict(grammar="root ::= ("), "invalid grammar"),
+                         # the grammar ends the output where only EOS may follow: nothing could come next
+                         (dict(grammar='root ::= "a"', sampling=SamplingParams(min_tokens=2)), "cannot be combined"),
+                         (dict(response_format={"type": "json_object"}, sampling=SamplingParams(ignore_eos=True)),
+                          "cannot be combined")):
         with pytest.raises(ValueError, match=message):
             decoder.generate("abc", max_new_tokens=4, **bad)
+    with pytest.raises(TypeError, match="grammar must be a string"):  # not taken for a compiled one
+        decoder.generate("abc", max_new_tokens=4, grammar=b'root ::= "a"')
     with pytest.raises(ValueError, match="repetition_penalty must be"):
         SamplingParams(repetition_penalty=0)
     with pytest.raises(ValueError, match="presence_penalty must be"):

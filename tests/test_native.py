@@ -297,6 +297,8 @@ def test_kquant_refuses_other_shapes_and_types_and_propagates_nan():
     weights = native.KQuantWeights([(q4, "Q4_K")], 256)
     with pytest.raises(ValueError, match="inputs"):
         native.linear_kq(bf16(1, 512), weights)
+    with pytest.raises(TypeError, match="bfloat16"):  # its bits would be read as bfloat16
+        native.linear_kq(bf16(1, 256).float(), weights)
     with pytest.raises(ValueError, match="bias"):
         native.linear_kq(bf16(1, 256), weights, torch.zeros(3))
     assert native.linear_kq(bf16(0, 256), weights).shape == (0, 4)  # no rows: nothing computed

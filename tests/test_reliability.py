@@ -292,6 +292,29 @@ def test_a_backend_error_ends_every_request_of_the_step_retryably_in_the_server_
     assert not decoder.engine.has_work and not decoder.driver.failed
 
 
+def test_a_request_whose_own_numbers_break_sampling_gets_the_error_and_the_others_a_retryable_one(decoder):
+    # a processor that leaves no token possible: sampling raises inside that row's verification,
+    # not in its pipeline; the row is still the one at fault (500), the others retry (503)
+    pytest.importorskip("fastapi")
+    from specdecode.engine.engine import StepFailed
+    from specdecode.serve.app import failure
+    from specdecode.serve.worker import Handle
+
+    def nothing_left(input_ids, scores):
+        return scores.fill_(float("-inf")) if input_ids.shape[1] >= 7 else scores
+
+    with _worker(decoder) as (worker, loop):
+        config = decoder.requests.config(16, ENDLESS)
+        bad = Handle(decoder.requests.request(decoder.requests.encode("abc", False), decoder.requests.config(
+            16, SamplingParams(seed=1, ignore_eos=True), logits_processors=[nothing_left])), loop)
+        good = Handle(decoder.requests.request(decoder.requests.encode("ace", False), config), loop)
+        worker.submit(good, bad)
+        worker.start()
+        own, other = (asyncio.run_coroutine_threadsafe(_last_item(h), loop).result(timeout=60) for h in (bad, good))
+        assert not isinstance(own, StepFailed) and isinstance(other, StepFailed), (own, other)
+        assert failure(own).status == 500 and failure(other).status == 503
+
+
 def test_the_servers_worker_gives_the_failing_request_its_error_and_the_others_a_retryable_one(decoder):
     pytest.importorskip("fastapi")
     import dataclasses

@@ -15,6 +15,8 @@ from specdecode.cli import main
     (["batch", "in.jsonl", "--output", "o.jsonl", "--workers", "0"], "--workers must be >= 1"),
     (["batch", "in.jsonl", "--output", "o.jsonl", "--rows-per-task", "0", "--ray"], "--rows-per-task must be >= 1"),
     (["batch", "in.jsonl", "--output", "o.jsonl", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    # the rows are read with the server's schema, and so are the defaults these flags give them
+    (["batch", "in.jsonl", "--output", "o.jsonl", "--temperature", "2.5"], "--temperature: Input should be less"),
     (["batch", "in.jsonl"], "--output"),
 ])
 def test_bad_scale_out_flags_exit_2_with_one_line(argv, message, capsys):

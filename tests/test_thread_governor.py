@@ -81,6 +81,10 @@ def test_while_a_governor_computes_on_fewer_threads_the_machine_is_still_planned
     assert torch.get_num_threads() == 1
     assert requested_threads() == 2 and cpu_report()["threads"] == 2
     assert ThreadGovernor(cores=2, others=load.others, clock=load.clock).max_threads == 2
+    governor.release()  # the engine is idle: the application's torch gets its count back
+    assert torch.get_num_threads() == 2 == requested_threads()
+    load.now += 1
+    governor.tick()
     torch.set_num_threads(3)  # the user asks again: that count it is
     assert requested_threads() == 3
 

@@ -78,6 +78,12 @@ def run(args, parser) -> int:
     defaults = RowDefaults(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                            seed=args.seed, stop=tuple(args.stop), raw=args.raw,
                            model=served_name(args))
+    from specdecode.frontend.schema import ApiError, CompletionRequest, parse
+
+    try:  # the rows are read with the server's schema: so are the defaults they get (temperature <= 2, ...)
+        parse(CompletionRequest, defaults.fill({"prompt": "x"}))
+    except ApiError as err:
+        parser.error(as_flags(err.message).replace("--max-new-tokens", "--max-tokens"))
     from specdecode.scale.batch import Interrupted, read_rows
     from specdecode.scale.journal import scan
 

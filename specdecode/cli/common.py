@@ -161,7 +161,9 @@ def as_flags(message: str) -> str:
                      lambda m: f"{flag(m.group(1))} {m.group(2) if m.group(2) is not None else m.group(3)}", message)
     message = re.sub(r"^(" + "|".join(fields) + r")\b", lambda m: flag(m.group(1)), message)
     named = [name for name in fields if "_" in name]
-    return re.sub(r"(?<![-\w])(" + "|".join(named) + r")\b", lambda m: flag(m.group(1)), message)
+    message = re.sub(r"(?<![-\w/])(" + "|".join(named) + r")\b", lambda m: flag(m.group(1)), message)
+    return message.replace("--batch-invariant True", "--batch-invariant on").replace("--batch-invariant False",
+                                                                                       "--batch-invariant off")
 
 
 def add_task_flags(parser: argparse.ArgumentParser, default_tasks: list[str], default_prompts: int) -> None:

@@ -342,7 +342,8 @@ class Engine:
         logits pipeline raised it (its processors, its grammar), or None when no one request's
         code did (a backend's error, an interrupt)."""
         return next((row.request_id for row in self.running
-                     if row.pipeline is not None and row.pipeline.error is error), None)
+                     if row.pipeline is not None and row.pipeline.error is error
+                     or getattr(error, "_specdecode_row", None) == row.request_id), None)
 
     def step(self) -> list[StepOutput]:
         """One target call for every running row (after admitting waiting requests), in the six
@@ -376,12 +377,18 @@ class Engine:
         verdicts = []
         for b, (row, draft) in enumerate(zip(rows, drafts)):
             k = len(draft.tokens)
-            verdict = self._accept(row, draft, logits[b, logits.shape[1] - k - 1:])
+            try:
+                verdict = self._accept(row, draft, logits[b, logits.shape[1] - k - 1:])
+            except Exception as err:  # from this row's own logits and settings alone: its fault
+                err._specdecode_row = row.request_id
+                raise
             self._emit(row, verdict, outputs[row.request_id])
             self._record(row, draft, ks[b], verdict.n, outputs[row.request_id], times)
             verdicts.append(verdict)
         self._commit(rows, verdicts)
         self._leave([row for row in rows if row.out.finish_reason is not None], outputs)
+        if self.threads is not None and not self.has_work:
+            self.threads.release()  # idle: the application's torch gets its thread count back
         return list(outputs.values())
 
     def _plan(self, rows: list[_Row]) -> list[int]:

@@ -181,6 +181,14 @@ class ThreadGovernor:
         self.changes = 0
         self._last_look = clock()
 
+    def release(self) -> None:
+        """Give torch back the thread count it was lowered from (the engine calls this when it has
+        no work left; the next tick looks again)."""
+        if _governed["set"] == torch.get_num_threads() and _governed["from"] is not None:
+            torch.set_num_threads(_governed["from"])
+            self._last_look = self.clock() - self.interval  # the next step looks at once
+        _governed.update({"set": None, "from": None})
+
     def tick(self) -> None:
         now = self.clock()
         if now - self._last_look < self.interval:

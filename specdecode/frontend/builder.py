@@ -223,6 +223,10 @@ class RequestBuilder:
         if response_format is None and grammar is None:
             return None
         if grammar is not None and not isinstance(grammar, str):  # already compiled
+            from specdecode.grammar import Grammar
+
+            if not isinstance(grammar, Grammar):
+                raise TypeError(f"grammar must be a string (GBNF, or 'regex:PATTERN'), got {type(grammar).__name__}")
             return grammar
         with self._lock:
             if self._grammar_compiler is None:
@@ -259,18 +263,23 @@ class RequestBuilder:
         from specdecode.grammar import Grammar
 
         compiled = grammar if isinstance(grammar, Grammar) else self.grammar(response_format, grammar)
+        if compiled is not None and (sampling.min_tokens > 0 or sampling.ignore_eos):
+            # the grammar ends an output where only EOS may follow: masking EOS then leaves no token
+            raise ValueError("min_tokens and ignore_eos cannot be combined with a grammar or response_format "
+                             "(the grammar decides where the output ends)")
         if "repetition_penalty" in self.defaults and sampling.repetition_penalty == 1.0:
             sampling = dataclasses.replace(sampling, repetition_penalty=self.defaults["repetition_penalty"])
         if "no_repeat_ngram_size" in self.defaults:
             from transformers import NoRepeatNGramLogitsProcessor
 
             processors.insert(0, NoRepeatNGramLogitsProcessor(self.defaults["no_repeat_ngram_size"]))
-        return DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling,
+        return DecodeConfig(max_new_tokens=options.max_new_tokens, sampling=sampling,
                             num_speculative_tokens=self.num_speculative_tokens, eos_token_ids=self.eos_token_ids,
                             stop=options.stop, lenience=options.lenience,
                             costs=self.guard_costs if self.guarded(sampling, lenience) else None,
-                            gamma_schedule=self.decoder.gamma_schedule, verification=self.decoder.verification, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs, logits_processors=tuple(processors), grammar=compiled)
+                            gamma_schedule=self.decoder.gamma_schedule, verification=self.decoder.verification,
+                            logprobs=options.logprobs, prompt_logprobs=options.prompt_logprobs,
+                            logits_processors=tuple(processors), grammar=compiled)
 
     def for_generate(self, prompt, *, max_new_tokens: int, sampling=None, stop=None, chat: bool | None = None,
                      stream: bool = False, n: int = 1, lenience: float = 1.0, logprobs: int | None = None,

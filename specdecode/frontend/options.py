@@ -10,6 +10,7 @@ decoder-only model, a grammar compiled for its tokenizer) stay in RequestBuilder
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 
 from specdecode.config import DecoderConfig
@@ -20,7 +21,8 @@ MAX_CHOICES = 16   # n: choices per prompt
 
 
 def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer, numpy's too, but not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # (numpy's bool is not Integral)
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class RequestOptions:
         if sampling.min_tokens > self.max_new_tokens:
             raise ValueError(f"min_tokens ({sampling.min_tokens}) must be at most max_new_tokens "
                              f"({self.max_new_tokens})")
-        stop = (self.stop,) if isinstance(self.stop, str) else (self.stop or ())
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(not s for s in stop):
@@ -75,4 +77,7 @@ class RequestOptions:
                                  f"token), got {value!r}")
         if not is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
             raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}] (choices per prompt), got {self.n!r}")
-        return dataclasses.replace(self, sampling=sampling, stop=tuple(stop), lenience=float(self.lenience))
+        return dataclasses.replace(self, max_new_tokens=int(self.max_new_tokens), sampling=sampling, stop=tuple(stop),
+                                   lenience=float(self.lenience), n=int(self.n),
+                                   logprobs=None if self.logprobs is None else int(self.logprobs),
+                                   prompt_logprobs=None if self.prompt_logprobs is None else int(self.prompt_logprobs))

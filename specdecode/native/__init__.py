@@ -109,6 +109,8 @@ def linear_kq(x: torch.Tensor, weights: KQuantWeights, bias: torch.Tensor | None
     """x Wᵀ (+ bias) on K-quant blocks as stored, x quantized to int8 per row and block of 256
     inputs (kquants.cpp): x [..., K] bfloat16; bias [N] float32 or None → [..., N] bfloat16
     (float32 where out_float32), N = weights.outputs."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"x must be bfloat16 (the kernels read its bits as such), got {x.dtype}")
     if x.shape[-1] != weights.inputs:
         raise ValueError(f"x has {x.shape[-1]} inputs; the weights take {weights.inputs}")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (weights.outputs,)
@@ -128,7 +130,7 @@ def kq_tiling(above_bytes: int):
     tiled (weight rows 8 at a time, their blocks a span at a time, so that the activations stay in
     L1); the default is 24 KiB. The bits are the same either way: tests and benchmarks compare the
     two paths with it (a huge value turns tiling off). No effect without AVX-512."""
-    previous = load().sd_kq_tiled_above(above_bytes)
+    previous = load().sd_kq_tiled_above(max(0, min(int(above_bytes), 1 << 62)))  # (an int64 in C)
     try:
         yield
     finally:

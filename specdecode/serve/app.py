@@ -174,6 +174,17 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
                 metrics.itl.observe((now - state["last"]) / tokens)
         state["last"] = now
 
+    async def own_error(inbox: asyncio.Queue, failed: StepFailed) -> Exception:
+        """Of the errors a failed step sent this request's choices (all at once), a choice's own
+        error where one came, else `failed`."""
+        for _ in range(3):  # the step's other items reach the inbox within a few loop turns
+            await asyncio.sleep(0)
+        while not inbox.empty():
+            _, item = inbox.get_nowait()
+            if isinstance(item, Exception) and not isinstance(item, StepFailed):
+                return item
+        return failed
+
     async def wait(http: HttpRequest, handles: list[Handle]):
         """The finished results (one per choice), or None after aborting the rows if the client
         went away first."""
@@ -198,6 +209,8 @@ def create_app(decoder, *, model_name: str, max_queue: int = 64, api_key: str | 
                 if item is None:
                     running -= 1
                 elif isinstance(item, Exception):
+                    if isinstance(item, StepFailed):  # a sibling choice's own error, from the same step, is
+                        item = await own_error(inbox, item)  # this request's: answer that one (500)
                     for handle in handles:
                         worker.abort(handle)
                     raise failure(item)
