@@ -183,13 +183,15 @@ class Driver:
 
 
 def run_all(target, proposer, requests: list[Request], tokenizer=None, max_batch_size: int | None = None,
-            batch_guard: bool = False) -> list[GenerationResult]:
-    """Decode every request through one engine (a continuous batch); results in order."""
-    driver = Driver(Engine(target, proposer, tokenizer, max_batch_size, batch_guard))
+            batch_guard: bool = False, **engine_options) -> list[GenerationResult]:
+    """Decode every request through one engine (a continuous batch; engine_options: Engine's
+    other arguments); results in order."""
+    driver = Driver(Engine(target, proposer, tokenizer, max_batch_size, batch_guard, **engine_options))
     ids = [driver.submit(request) for request in requests]
     return [driver.result(request_id) for request_id in ids]
 
 
-def run(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokenizer=None) -> GenerationResult:
+def run(target, proposer, prompt_ids: list[int], config: DecodeConfig, tokenizer=None,
+        **engine_options) -> GenerationResult:
     """Decode one prompt to the end (a batch of one)."""
-    return run_all(target, proposer, [Request(prompt_ids, config)], tokenizer)[0]
+    return run_all(target, proposer, [Request(prompt_ids, config)], tokenizer, **engine_options)[0]

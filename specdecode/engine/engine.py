@@ -260,13 +260,16 @@ class Engine:
         threads: a ThreadGovernor ticked before every step, None for none, or "auto": one where
             the target is batch-invariant (its bits do not depend on the thread count), so the
             compute runs on fewer threads while other processes keep the cores busy.
+        accept_rule: step 4 for one row, `accept`'s signature; tests pass a deliberately wrong one
+            (their negative controls) instead of patching this module.
     Raises:
         ValueError: max_batch_size < 1.
     """
 
     def __init__(self, target, proposer=None, tokenizer=None, max_batch_size: int | None = None,
                  batch_guard: bool = False, first_step_plain: bool = False,
-                 clock: Callable[[], float] = time.perf_counter, threads: ThreadGovernor | None | str = "auto"):
+                 clock: Callable[[], float] = time.perf_counter, threads: ThreadGovernor | None | str = "auto",
+                 accept_rule: Callable = None):
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size!r}")
         self.target, self.proposer, self.tokenizer = target, proposer, tokenizer
@@ -279,6 +282,7 @@ class Engine:
         self.cost = BatchCostModel() if batch_guard and proposer is not None else None
         self.first_step_plain = first_step_plain
         self.clock = clock
+        self.accept_rule = accept_rule or accept
         # fewer threads while other processes keep cores busy, only where that changes no bit
         self.threads = (ThreadGovernor() if getattr(target, "batch_invariant", False) else None) \
             if threads == "auto" else threads
@@ -450,8 +454,7 @@ class Engine:
             self.cost.observe_read(times.read_tokens, times.read_s)
         self._refresh_guards(rows)
 
-    @staticmethod
-    def _accept(row: _Row, draft: Draft, logits: torch.Tensor) -> Verdict:
+    def _accept(self, row: _Row, draft: Draft, logits: torch.Tensor) -> Verdict:
         """Phase 4: the row's drafts verified with its own generator (paper §2.3; a tree by
         verify.tree_step). logits: [k + 1, V], the target's at the row's drafted positions."""
         ids = draft.tokens.tolist()
@@ -460,8 +463,8 @@ class Engine:
             n, new, origins, path, kept = verify_tree_row(draft, ids, logits, row.config, row.generator, row.stats)
             positions = [0] + [node + 1 for node in path]  # logits row of each emitted token
         else:
-            n, token = accept(draft.tokens, draft.probs if k else None, logits, row.config, row.generator,
-                              row.tokens, row.pipeline)
+            n, token = self.accept_rule(draft.tokens, draft.probs if k else None, logits, row.config,
+                                        row.generator, row.tokens, row.pipeline)
             new = ids[:n] + [token]
             origins = [ACCEPTED] * n + [TARGET if k == 0 else BONUS if n == k else CORRECTED]
             path, kept, positions = None, n, list(range(n + 1))
