@@ -9,7 +9,7 @@ import importlib
 _NAMES = {"SpeculativeDecoder": "specdecode.api", "GenerationStream": "specdecode.engine.stream",
           "DecoderConfig": "specdecode.config", "GenerationResult": "specdecode.engine.request",
           "TokenEvent": "specdecode.engine.request", "GenerationStats": "specdecode.engine.stats",
-          "SamplingParams": "specdecode.sampling"}
+          "SamplingParams": "specdecode.sampling_params"}
 
 __all__ = ["SpeculativeDecoder", "DecoderConfig", "SamplingParams", "GenerationResult", "GenerationStats",
            "GenerationStream", "TokenEvent"]

@@ -62,7 +62,7 @@ def run(args, parser) -> int:
         if value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
     from specdecode.frontend.options import RequestOptions
-    from specdecode.sampling import SamplingParams
+    from specdecode.sampling_params import SamplingParams
 
     try:  # the library's rules, as generate and the server apply them
         RequestOptions(args.max_tokens, SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed),

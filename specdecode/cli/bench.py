@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
 
 
 def run(args, parser) -> int:
-    from specdecode import SamplingParams
+    from specdecode.sampling_params import SamplingParams
     from specdecode.measure.bench import bench_report, check_benchable
 
     schedules = _check(args, parser)

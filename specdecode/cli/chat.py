@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
 
 
 def run(args, parser) -> int:
-    from specdecode import SamplingParams
+    from specdecode.sampling_params import SamplingParams
 
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

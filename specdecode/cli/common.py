@@ -151,7 +151,7 @@ def as_flags(message: str) -> str:
     `field='value'` as `--field value`, field names with an underscore anywhere and the one that
     starts the message as the flags that set them."""
     from specdecode.frontend.options import RequestOptions
-    from specdecode.sampling import SamplingParams
+    from specdecode.sampling_params import SamplingParams
 
     flag = flag_of
 

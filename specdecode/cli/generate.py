@@ -125,7 +125,7 @@ def run(args, parser) -> int:
 
 def _parse(args, parser):
     """SamplingParams and the prompt (a string, or a list from --prompts-file); bad input exits 2."""
-    from specdecode import SamplingParams
+    from specdecode.sampling_params import SamplingParams
     from specdecode.frontend.options import RequestOptions
 
     if args.logprobs is not None and not args.json:

@@ -14,7 +14,7 @@ import numbers
 from dataclasses import dataclass
 
 from specdecode.config import DecoderConfig
-from specdecode.sampling import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
 MAX_CHOICES = 16   # n: choices per prompt
