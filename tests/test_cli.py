@@ -142,6 +142,7 @@ def test_summary_of_a_one_token_run_says_1_token(model_dirs, capsys):
     # no abbreviations (--gamma is not --gamma-schedule), and the command's own parser names it
     (["generate", "hi", "--gamma", "0"], "specdecode generate: error: unrecognized arguments: --gamma 0"),
     (["generate", "--bogus", "hi"], "specdecode generate: error: unrecognized arguments: --bogus"),
+    (["generate", "hi", "--batch-invariant", "on", "--dtype", "float32"], "--batch-invariant on runs the target"),
 ])
 def test_bad_flags_exit_2_with_one_error_line(args, message, capsys):
     with pytest.raises(SystemExit, match="^2$"):

@@ -68,7 +68,7 @@ def run(args, parser) -> int:
         RequestOptions(args.max_tokens, SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed),
                        args.stop).validate()
     except ValueError as err:
-        parser.error(as_flags(str(err)).replace("--max-new-tokens", "--max-tokens"))
+        parser.error(as_flags(str(err), {"max_new_tokens": "--max-tokens"}))
     if args.cpus_per_worker is not None and args.cpus_per_worker <= 0:
         parser.error(f"--cpus-per-worker must be > 0, got {args.cpus_per_worker}")
     if args.ray is None and (args.workers != 1 or args.cpus_per_worker is not None):
@@ -83,7 +83,7 @@ def run(args, parser) -> int:
     try:  # the rows are read with the server's schema: so are the defaults they get (temperature <= 2, ...)
         parse(CompletionRequest, defaults.fill({"prompt": "x"}))
     except ApiError as err:
-        parser.error(as_flags(err.message).replace("--max-new-tokens", "--max-tokens"))
+        parser.error(as_flags(err.message, {"max_new_tokens": "--max-tokens"}))
     from specdecode.scale.batch import Interrupted, read_rows
     from specdecode.scale.journal import scan
 

@@ -146,24 +146,30 @@ def decoder_config(args, parser: argparse.ArgumentParser, **extra) -> DecoderCon
         parser.error(as_flags(str(err)))
 
 
-def as_flags(message: str) -> str:
+ON_OFF = {"True": "on", "False": "off"}  # a boolean field's value as its flag takes it
+
+
+def as_flags(message: str, renamed: dict[str, str] | None = None) -> str:
     """A library message (DecoderConfig, SamplingParams, RequestOptions) in the CLI's words:
-    `field='value'` as `--field value`, field names with an underscore anywhere and the one that
-    starts the message as the flags that set them."""
+    `field=value` as `--field value` (True/False as on/off), field names with an underscore
+    anywhere and the one that starts the message as the flags that set them. renamed: a command's
+    own flag for a field (batch's --max-tokens for max_new_tokens)."""
     from specdecode.frontend.options import RequestOptions
     from specdecode.sampling_params import SamplingParams
 
-    flag = flag_of
+    def flag(name: str) -> str:
+        return (renamed or {}).get(name) or flag_of(name)
+
+    def setting(match) -> str:
+        value = match.group(2) if match.group(2) is not None else match.group(3)
+        return f"{flag(match.group(1))} {ON_OFF.get(value, value)}"
 
     fields = sorted({f.name for kind in (DecoderConfig, SamplingParams, RequestOptions) for f in dataclasses.fields(kind)}
                     - {"sampling", "n"}, key=len, reverse=True)
-    message = re.sub(r"\b(" + "|".join(fields) + r")=(?:'([^']*)'|([\w.]+))",
-                     lambda m: f"{flag(m.group(1))} {m.group(2) if m.group(2) is not None else m.group(3)}", message)
+    message = re.sub(r"\b(" + "|".join(fields) + r")=(?:'([^']*)'|([\w.]+))", setting, message)
     message = re.sub(r"^(" + "|".join(fields) + r")\b", lambda m: flag(m.group(1)), message)
     named = [name for name in fields if "_" in name]
-    message = re.sub(r"(?<![-\w/])(" + "|".join(named) + r")\b", lambda m: flag(m.group(1)), message)
-    return message.replace("--batch-invariant True", "--batch-invariant on").replace("--batch-invariant False",
-                                                                                       "--batch-invariant off")
+    return re.sub(r"(?<![-\w/])(" + "|".join(named) + r")\b", lambda m: flag(m.group(1)), message)
 
 
 def add_task_flags(parser: argparse.ArgumentParser, default_tasks: list[str], default_prompts: int) -> None:
