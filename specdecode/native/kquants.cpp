@@ -500,6 +500,18 @@ void weight_row(int type, const Activations& a, int64_t M, const uint8_t* w, flo
     }
 }
 
+// y[m, n] = sums[m] (+ bias[n]) for the M rows: output column n, bfloat16 or float32
+void store_column(const float* sums, int64_t M, int64_t n, const float* bias, void* y, int64_t ldy, int out_f32) {
+    const float add = bias ? bias[n] : 0.0f;
+    for (int64_t m = 0; m < M; ++m) {
+        const float v = sums[m] + add;
+        if (out_f32)
+            static_cast<float*>(y)[m * ldy + n] = v;
+        else
+            static_cast<bf16*>(y)[m * ldy + n] = float_to_bf16(v);
+    }
+}
+
 #if KQ_ISA == 2
 // Weight rows a tile at a time, their blocks a span at a time: a group's int8 activations over the
 // whole K (9 rows of an 8960-input product: 80 KB) do not stay in L1, so one weight row after
@@ -600,17 +612,8 @@ void sd_linear_kq(const bf16* x, int64_t M, int64_t K, int64_t ldx, int parts, c
                 const int count = static_cast<int>(std::min<int64_t>(TILE, rows[p] - r));
                 weight_tile(types[p], a, M, weights[p] + r * row_bytes, row_bytes, count, sums.data(), scratch.data(),
                             saved.data());
-                for (int t = 0; t < count; ++t) {
-                    const int64_t n = first[p] + r + t;
-                    const float add = bias ? bias[n] : 0.0f;
-                    for (int64_t m = 0; m < M; ++m) {
-                        const float v = sums[t * M + m] + add;
-                        if (out_f32)
-                            static_cast<float*>(y)[m * ldy + n] = v;
-                        else
-                            static_cast<bf16*>(y)[m * ldy + n] = float_to_bf16(v);
-                    }
-                }
+                for (int t = 0; t < count; ++t)
+                    store_column(sums.data() + t * M, M, first[p] + r + t, bias, y, ldy, out_f32);
             }
         }
         return;
@@ -624,14 +627,7 @@ void sd_linear_kq(const bf16* x, int64_t M, int64_t K, int64_t ldx, int parts, c
             const int p = static_cast<int>(std::upper_bound(first.begin(), first.end(), n) - first.begin()) - 1;
             const uint8_t* w = weights[p] + (n - first[p]) * sd_kq_row_bytes(types[p], K);
             weight_row(types[p], a, M, w, sums.data(), scratch.data());
-            const float add = bias ? bias[n] : 0.0f;
-            for (int64_t m = 0; m < M; ++m) {
-                const float v = sums[m] + add;
-                if (out_f32)
-                    static_cast<float*>(y)[m * ldy + n] = v;
-                else
-                    static_cast<bf16*>(y)[m * ldy + n] = float_to_bf16(v);
-            }
+            store_column(sums.data(), M, n, bias, y, ldy, out_f32);
         }
     }
 }
