@@ -20,7 +20,9 @@
 // the weight row from cache.
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <vector>
 #include <algorithm>
 #include <omp.h>
@@ -96,45 +98,173 @@ bf16 float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
     return static_cast<bf16>(bits >> 16);
 }
 
-// One row's activations as int8 per super-block: values x̂, scale dx, and the sums of x̂ per 16 and
-// per 32 inputs (the Q6_K offset and the Q4_K minimums need them).
+// 64-byte aligned storage for the activations: a vector load that straddles two cache lines costs
+// about twice one that does not (a 9-row block pass ran 1.7x slower from malloc's 16-byte alignment)
+template <class T>
+struct Aligned {
+    using value_type = T;
+    Aligned() = default;
+    template <class U> Aligned(const Aligned<U>&) {}
+    T* allocate(size_t n) {
+        void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+        if (!p) throw std::bad_alloc();
+        return static_cast<T*>(p);
+    }
+    void deallocate(T* p, size_t) { std::free(p); }
+    template <class U> bool operator==(const Aligned<U>&) const { return true; }
+    template <class U> bool operator!=(const Aligned<U>&) const { return false; }
+};
+template <class T> using AlignedVector = std::vector<T, Aligned<T>>;
+
+#if KQ_ISA == 2
+// The AVX-512 kernels sum a super-block's 256 products into one vector of 16 int32 lanes, each lane
+// within one sub-block, so that a row's scales are applied once per lane (a conversion, a product
+// and an FMA per row and block, instead of packing and scaling each 64 inputs' sums).
+// vpdpbusd sums 4 products per int32 lane; the blocks' codes, decoded 64 inputs at a time as stored
+// (codes[c] for c = 0..3), hold 4 lanes per sub-block in each 128-bit group j. A 4×4 transpose of
+// the int32 lanes within each group (V_i lane 4j + c = codes[c] lane 4j + i) gives 4 vectors whose
+// lane 4j + c is always in the sub-block of codes[c]'s group j: the activations are stored in that
+// order (prepare_block), and 4 vpdpbusd accumulate into one vector.
+//   Q4_K: codes[c] group j is in sub-block 4·(c/2) + c%2 + 2·(j/2) (two lanes per sub-block of 32);
+//   Q6_K: codes[c] group j is in sub-block 4c + j (one lane per sub-block of 16).
+alignas(64) const int32_t kQ4Lane[16] = {0, 1, 4, 5, 0, 1, 4, 5, 2, 3, 6, 7, 2, 3, 6, 7};
+alignas(64) const int32_t kQ6Lane[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+inline void transpose_lanes(const __m512i* codes, __m512i* v) {
+    const __m512i t0 = _mm512_unpacklo_epi32(codes[0], codes[1]), t1 = _mm512_unpackhi_epi32(codes[0], codes[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(codes[2], codes[3]), t3 = _mm512_unpackhi_epi32(codes[2], codes[3]);
+    v[0] = _mm512_unpacklo_epi64(t0, t2);
+    v[1] = _mm512_unpackhi_epi64(t0, t2);
+    v[2] = _mm512_unpacklo_epi64(t1, t3);
+    v[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+#endif
+
+// A call's activations as int8 per row and super-block: values x̂ (rounded to nearest even),
+// scale dx = max|x|/127, and what the kernels need of them. Without AVX-512: x̂ as given, dx, and
+// the sums of x̂ per 16 and per 32 inputs (the Q6_K offset, the Q4_K minimums). With AVX-512,
+// block-major (a group's rows of one block a fixed stride apart) and in the kernels' lane order.
 struct Activations {
-    int64_t K = 0;
-    std::vector<int8_t> q;       // [M, K]
-    std::vector<int8_t> q4;      // [M, K] q in Q4_K's nibble order (AVX-512): per 128 inputs, 0-31, 64-95, 32-63, 96-127
-    std::vector<float> d;        // [M, K/256]
-    std::vector<int16_t> sum16;  // [M, K/16]
-    std::vector<int16_t> sum32;  // [M, K/32]
-    std::vector<float> low;      // [M, K/32] dx·(Σ x̂ per 32 inputs): Q4_K's minimums
+    int64_t M = 0, K = 0;
+    AlignedVector<float> low;      // [M, K/32] dx·(Σ x̂ per 32 inputs): Q4_K's minimums
+#if KQ_ISA == 2
+    AlignedVector<int8_t> t4, t6;  // [K/256, M, 256] x̂ in the lane order of Q4_K's and Q6_K's codes
+    AlignedVector<int32_t> off6;   // [K/256, M, 16] −32·Σ x̂ per Q6_K sub-block, in its lane order
+    AlignedVector<float> d;        // [K/256, M]
+    float dx(int64_t row, int64_t b) const { return d[b * M + row]; }
+#else
+    AlignedVector<int8_t> q;       // [M, K]
+    AlignedVector<float> d;        // [M, K/256]
+    AlignedVector<int16_t> sum16;  // [M, K/16]
+    AlignedVector<int16_t> sum32;  // [M, K/32]
+    float dx(int64_t row, int64_t b) const { return d[row * (K / QK) + b]; }
+#endif
+
+    Activations(int64_t rows, int64_t inputs) : M(rows), K(inputs), low(rows * (inputs / 32)) {
+#if KQ_ISA == 2
+        t4.resize(M * K);
+        t6.resize(M * K);
+        off6.resize(M * (K / QK) * 16);
+#else
+        q.resize(M * K);
+        sum16.resize(M * (K / 16));
+        sum32.resize(M * (K / 32));
+#endif
+        d.resize(M * (K / QK));
+    }
 };
 
-void quantize_row(const bf16* x, int64_t K, int8_t* q, float* d, int16_t* sum16, int16_t* sum32) {
-    for (int64_t b = 0; b < K / QK; ++b) {
-        float values[QK];
-        float amax = 0.0f;
-        bool finite = true;
-        for (int i = 0; i < QK; ++i) {
-            values[i] = bf16_to_float(x[b * QK + i]);
-            finite = finite && std::isfinite(values[i]);
-            amax = std::max(amax, std::fabs(values[i]));
-        }
-        // a NaN or infinite input gives a NaN scale: the row's outputs become NaN, as a float product's would
-        if (!finite) amax = NAN;
-        const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-        d[b] = amax / 127.0f;
-        for (int i = 0; i < QK; ++i) {
-            const float r = std::nearbyint(values[i] * inverse);  // the default rounding: to nearest even
-            q[b * QK + i] = static_cast<int8_t>(r == r ? std::max(-127.0f, std::min(127.0f, r)) : 0.0f);
-        }
-        for (int j = 0; j < QK / 16; ++j) {
-            int total = 0;
-            for (int i = 0; i < 16; ++i) total += q[b * QK + 16 * j + i];
-            sum16[b * (QK / 16) + j] = static_cast<int16_t>(total);
-        }
-        for (int j = 0; j < QK / 32; ++j)
-            sum32[b * (QK / 32) + j] = static_cast<int16_t>(sum16[b * (QK / 16) + 2 * j] + sum16[b * (QK / 16) + 2 * j + 1]);
-    }
+// The scale of 256 inputs: max|x|/127 and its inverse; a NaN or infinite input gives a NaN scale (and
+// x̂ = 0), so that the row's outputs become NaN, as a float product's would.
+inline void block_scale(float amax, bool finite, float& d, float& inverse) {
+    if (!finite) amax = NAN;
+    inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d = amax / 127.0f;
 }
+
+#if KQ_ISA == 2
+// Row m's block b of x (its 256 inputs at x): x̂, written in the lane order of the kernels' codes
+// (transpose_lanes): position 64i + 16j + 4c + e of a block holds the input that codes[c] byte
+// 16j + 4i + e multiplies (Q4_K's codes[c] are its nibbles as stored: inputs per 128 0-31, 64-95,
+// 32-63, 96-127; Q6_K's the inputs 64c.. in order); the sums of x̂ per sub-block come from the same
+// transpose (lane 4j + c: sub-block 4c + j of 16).
+void prepare_block(Activations& a, const bf16* x, int64_t m, int64_t b) {
+    __m512 v[16];
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 special = 0;
+    for (int j = 0; j < 16; ++j) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * j));
+        v[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // exact
+        special |= _mm512_fpclass_ps_mask(v[j], 0x99);  // NaN or ±infinity
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v[j]));
+    }
+    float d, inverse;
+    block_scale(_mm512_reduce_max_ps(amax), special == 0, d, inverse);
+    const __m512 scale = _mm512_set1_ps(inverse), top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
+    __m512i q[4];  // inputs 64c.. in order
+    for (int c = 0; c < 4; ++c) {
+        __m128i part[4];
+        for (int j = 0; j < 4; ++j) {
+            const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v[4 * c + j], scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            part[j] = special ? _mm_setzero_si128()
+                              : _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(top, _mm512_max_ps(bottom, r))));
+        }
+        q[c] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(part[0]), part[1], 1),
+                                                     part[2], 2), part[3], 3);
+    }
+    __m512i t[4], sums[4];
+    transpose_lanes(q, t);
+    int8_t* t6 = a.t6.data() + (b * a.M + m) * QK;
+    for (int i = 0; i < 4; ++i) _mm512_store_si512(t6 + 64 * i, t[i]);
+    // Q4_K's nibble order: 128 inputs as 0-31, 64-95 (codes[0]) and 32-63, 96-127 (codes[1])
+    const __m512i nibbles[4] = {_mm512_shuffle_i64x2(q[0], q[1], 0x44), _mm512_shuffle_i64x2(q[0], q[1], 0xee),
+                                _mm512_shuffle_i64x2(q[2], q[3], 0x44), _mm512_shuffle_i64x2(q[2], q[3], 0xee)};
+    transpose_lanes(nibbles, t);
+    int8_t* t4 = a.t4.data() + (b * a.M + m) * QK;
+    for (int i = 0; i < 4; ++i) _mm512_store_si512(t4 + 64 * i, t[i]);
+    // Σ x̂ per 4 inputs, then per sub-block of 16 in the lane order
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int c = 0; c < 4; ++c) sums[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, q[c]);
+    transpose_lanes(sums, t);
+    const __m512i sum16 = _mm512_add_epi32(_mm512_add_epi32(t[0], t[1]), _mm512_add_epi32(t[2], t[3]));
+    _mm512_store_si512(a.off6.data() + (b * a.M + m) * 16, _mm512_mullo_epi32(sum16, _mm512_set1_epi32(-32)));
+    alignas(64) int32_t natural[16];  // sub-block j's sum (the transpose is its own inverse)
+    _mm512_store_si512(natural, _mm512_permutexvar_epi32(_mm512_load_si512(kQ6Lane), sum16));
+    for (int j = 0; j < 8; ++j) a.low[m * (a.K / 32) + 8 * b + j] = d * static_cast<float>(natural[2 * j] + natural[2 * j + 1]);
+    a.d[b * a.M + m] = d;
+}
+#else
+// Row m's block b of x (its 256 inputs at x): x̂, dx and the sums
+void prepare_block(Activations& a, const bf16* x, int64_t m, int64_t b) {
+    float values[QK];
+    float amax = 0.0f;
+    bool finite = true;
+    for (int i = 0; i < QK; ++i) {
+        values[i] = bf16_to_float(x[i]);
+        finite = finite && std::isfinite(values[i]);
+        amax = std::max(amax, std::fabs(values[i]));
+    }
+    float d, inverse;
+    block_scale(amax, finite, d, inverse);
+    int8_t* q = a.q.data() + m * a.K + b * QK;
+    for (int i = 0; i < QK; ++i) {
+        const float r = std::nearbyint(values[i] * inverse);  // the default rounding: to nearest even
+        q[i] = static_cast<int8_t>(r == r ? std::max(-127.0f, std::min(127.0f, r)) : 0.0f);
+    }
+    int16_t* sum16 = a.sum16.data() + m * (a.K / 16) + b * (QK / 16);
+    int16_t* sum32 = a.sum32.data() + m * (a.K / 32) + b * (QK / 32);
+    for (int j = 0; j < QK / 16; ++j) {
+        int total = 0;
+        for (int i = 0; i < 16; ++i) total += q[16 * j + i];
+        sum16[j] = static_cast<int16_t>(total);
+    }
+    for (int j = 0; j < QK / 32; ++j) {
+        sum32[j] = static_cast<int16_t>(sum16[2 * j] + sum16[2 * j + 1]);
+        a.low[m * (a.K / 32) + 8 * b + j] = d * static_cast<float>(sum32[j]);
+    }
+    a.d[m * (a.K / QK) + b] = d;
+}
+#endif
 
 // Q4_K's 12 bytes of scales: sub-block j's 6-bit scale sc[j] and minimum mn[j]. The format packs
 // j < 4 in the low 6 bits of bytes j (scale) and 4 + j (minimum); j ≥ 4 in the nibbles of byte
@@ -156,29 +286,16 @@ inline void q4k_scales(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
 }
 
 #if KQ_ISA == 2
-// _mm512_packs_epi32(p, q) puts, in each 128-bit lane L, p's int32 lanes 4L..4L+3 then q's as
-// int16. For the chunks of 64 inputs c and c+1 (vpdpbusd: int32 lane l holds inputs 4l..4l+3):
-//   Q4_K (chunks as stored: 64 bytes of nibbles, low then high, so chunk 2h holds sub-blocks 4h and
-//   4h + 2, chunk 2h + 1 sub-blocks 4h + 1 and 4h + 3; Activations::q4 is in that order): p's lanes
-//   4L.. are in sub-block 2·(L/2), q's in 2·(L/2) + 1;
-//   Q6_K: p's are in sub-block 4c + L (16 inputs each), q's in 4c + 4 + L.
-// These tables give, per int16 lane, the index of its scale (for chunks 0 and 1; + 4 or + 8 after).
-alignas(64) const int16_t kQ4Pick[32] = {0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1,
-                                         2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3};
-alignas(64) const int16_t kQ6Pick[32] = {0, 0, 0, 0, 4, 4, 4, 4, 1, 1, 1, 1, 5, 5, 5, 5,
-                                         2, 2, 2, 2, 6, 6, 6, 6, 3, 3, 3, 3, 7, 7, 7, 7};
-
-// One row's integer dot with a decoded super-block: codes [4 × 64] u8 against x̂ [256] s8. vpdpbusd
-// sums 4 products per int32 lane (small enough for int16: see the callers), two chunks are packed
-// into one vector of int16 (kQ4Pick/kQ6Pick order), scaled per sub-block and summed in pairs (the
-// second half accumulated onto the first: one instruction fewer than adding them, and the rows'
-// interleaved chains hide the latency).
-inline __m512i block_dot(const __m512i* codes, const int8_t* xq, __m512i scales01, __m512i scales23) {
-    __m512i part[4];
+// MG rows' 256 products with a block's transposed codes v, added to dot[i] (int32 lanes in the
+// kernels' order): xt is the first row's activations in lane order, the rows' 256 bytes one after
+// another. Each of the 4 steps runs over all rows before the next, so that the rows' chains of
+// vpdpbusd overlap.
+template <int MG>
+inline void rows_dot(const __m512i* v, const int8_t* xt, __m512i* dot) {
+#pragma GCC unroll 4
     for (int c = 0; c < 4; ++c)
-        part[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[c], _mm512_loadu_si512(xq + 64 * c));
-    const __m512i half = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(part[0], part[1]), scales01);
-    return _mm512_dpwssd_epi32(half, _mm512_packs_epi32(part[2], part[3]), scales23);
+#pragma GCC unroll 16
+        for (int i = 0; i < MG; ++i) dot[i] = _mm512_dpbusd_epi32(dot[i], v[c], _mm512_loadu_si512(xt + QK * i + 64 * c));
 }
 
 inline float hsum(__m512 v) {  // fixed order: halves, then quarters, …
@@ -230,8 +347,7 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, f
     if (b1 < 0) b1 = blocks;
     __m512 acc[MG];
     load_acc<MG>(acc, saved, b0);
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
-    const __m512i pick01 = _mm512_load_si512(kQ4Pick), pick23 = _mm512_add_epi16(pick01, _mm512_set1_epi16(4));
+    const __m512i nibble = _mm512_set1_epi8(0x0f), lanes = _mm512_load_si512(kQ4Lane);
     for (int64_t b = b0; b < b1; ++b) {
         const uint8_t* block = w + b * Q4K_BYTES;
         for (int p = 0; p < Q4K_BYTES; p += 64)
@@ -241,30 +357,29 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, f
         std::memcpy(&dminh, block + 2, 2);
         uint64_t sc, mn;
         q4k_scales(block + 4, sc, mn);
-        const __m512i sc_all = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc))));
         // dmin·mn[j] per sub-block, kept for the whole weight row: the minimums' term is one dot
         // product per row after the blocks (below), not a product per row and block
         _mm256_storeu_ps(mins_row + 8 * b, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
             _mm_cvtsi64_si128(static_cast<long long>(mn)))), _mm256_set1_ps(half_to_float(dminh))));
-        const float d = half_to_float(dh);
-        // 64 bytes of nibbles at a time, as stored: the activations are in this order (Activations::q4)
-        __m512i codes[4];
+        // d·sc per lane (float32, exact: an 11-bit mantissa times a 6-bit integer)
+        const __m512 scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(
+            lanes, _mm512_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc))))), _mm512_set1_ps(half_to_float(dh)));
+        // 64 bytes of nibbles at a time, as stored, then in lane order
+        __m512i codes[4], v[4];
         for (int h = 0; h < 2; ++h) {
             const __m512i packed = _mm512_loadu_si512(block + 16 + 64 * h);
             codes[2 * h] = _mm512_and_si512(packed, nibble);
             codes[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
         }
-        const __m512i scales01 = _mm512_permutexvar_epi16(pick01, sc_all);
-        const __m512i scales23 = _mm512_permutexvar_epi16(pick23, sc_all);
+        transpose_lanes(codes, v);
         // unrolled: the rows' accumulators stay in registers
+        __m512i dot[MG];
+        for (int i = 0; i < MG; ++i) dot[i] = _mm512_setzero_si512();
+        rows_dot<MG>(v, a.t4.data() + (b * a.M + m0) * QK, dot);
 #pragma GCC unroll 16
-        for (int i = 0; i < MG; ++i) {
-            const int64_t row = m0 + i;
-            const int8_t* xq = a.q4.data() + row * a.K + b * QK;
-            const __m512i dot = block_dot(codes, xq, scales01, scales23);  // |lane sums| ≤ 4·15·127
-            // d·dx as one scalar: a short dependency chain, so that the rows' work overlaps
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d * a.d[row * (a.K / QK) + b]), acc[i]);
-        }
+        for (int i = 0; i < MG; ++i)
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot[i]), scale),
+                                     _mm512_set1_ps(a.dx(m0 + i, b)), acc[i]);
     }
     if (b1 < blocks) {
         for (int i = 0; i < MG; ++i) _mm512_storeu_ps(saved + 16 * i, acc[i]);
@@ -309,7 +424,7 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, f
             const int64_t row = m0 + i;
             const int8_t* xq = a.q.data() + row * a.K + b * QK;
             __m256i dot = block_dot(codes, xq, scales);
-            const float dx = a.d[row * (a.K / QK) + b];
+            const float dx = a.dx(row, b);
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * dx), acc[i]);
             const __m128i sums = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.sum32.data() + row * (a.K / 32) + 8 * b));
             low[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mn16, sums)), _mm_set1_ps(dmin * dx), low[i]);
@@ -339,7 +454,7 @@ void q4k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, f
                 dot += static_cast<int>((sc >> (8 * (k / 32))) & 0xff) * q * xq[k];
             }
             for (int j = 0; j < 8; ++j) mins += static_cast<int>((mn >> (8 * j)) & 0xff) * a.sum32[row * (a.K / 32) + 8 * b + j];
-            const float dx = a.d[row * (a.K / QK) + b];
+            const float dx = a.dx(row, b);
             total = std::fma(static_cast<float>(dot), half_to_float(dh) * dx, total);
             low = std::fma(static_cast<float>(mins), half_to_float(dminh) * dx, low);
         }
@@ -357,18 +472,18 @@ void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, f
     if (b1 < 0) b1 = blocks;
     __m512 acc[MG];
     load_acc<MG>(acc, saved, b0);
-    const __m512i nibble = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
-    const __m512i pick01 = _mm512_load_si512(kQ6Pick), pick23 = _mm512_add_epi16(pick01, _mm512_set1_epi16(8));
+    const __m512i nibble = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03), lanes = _mm512_load_si512(kQ6Lane);
     for (int64_t b = b0; b < b1; ++b) {
         const uint8_t* block = w + b * Q6K_BYTES;
         for (int p = 0; p < Q6K_BYTES; p += 64)
             _mm_prefetch(reinterpret_cast<const char*>(block + PREFETCH_BYTES + p), _MM_HINT_T2);
         uint16_t dh;
         std::memcpy(&dh, block + 208, 2);
-        const float d = half_to_float(dh);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
-        const __m512i sc_all = _mm512_zextsi256_si512(sc16);
-        __m512i codes[4];
+        // d·sc per lane (float32, exact: an 11-bit mantissa times an 8-bit integer)
+        const __m512 scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(
+            lanes, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192))))),
+            _mm512_set1_ps(half_to_float(dh)));
+        __m512i codes[4], v[4];
         for (int h = 0; h < 2; ++h) {
             const __m512i lowbits = _mm512_loadu_si512(block + 64 * h);
             const __m256i highbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
@@ -378,20 +493,17 @@ void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, f
             codes[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lowbits, 4), nibble),
                                                _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4), two), 4));
         }
-        const __m512i scales01 = _mm512_permutexvar_epi16(pick01, sc_all);
-        const __m512i scales23 = _mm512_permutexvar_epi16(pick23, sc_all);
+        transpose_lanes(codes, v);
         // unrolled: the rows' accumulators stay in registers
+        // from the −32 offset's integers (−32·Σ x̂ per sub-block), then the codes' products
+        __m512i dot[MG];
 #pragma GCC unroll 16
-        for (int i = 0; i < MG; ++i) {
-            const int64_t row = m0 + i;
-            const int8_t* xq = a.q.data() + row * a.K + b * QK;
-            __m512i dot = block_dot(codes, xq, scales01, scales23);  // |lane sums| ≤ 4·63·127 < 2^15
-            // the −32 offset: 32·Σ_j sc_j·Σ x̂ over sub-block j (16 pairs of int16 → 8 int32)
-            const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum16.data() + row * (a.K / 16) + 16 * b));
-            const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5);
-            dot = _mm512_sub_epi32(dot, _mm512_zextsi256_si512(offset));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d * a.d[row * (a.K / QK) + b]), acc[i]);
-        }
+        for (int i = 0; i < MG; ++i) dot[i] = _mm512_loadu_si512(a.off6.data() + (b * a.M + m0 + i) * 16);
+        rows_dot<MG>(v, a.t6.data() + (b * a.M + m0) * QK, dot);
+#pragma GCC unroll 16
+        for (int i = 0; i < MG; ++i)
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot[i]), scale),
+                                     _mm512_set1_ps(a.dx(m0 + i, b)), acc[i]);
     }
     if (b1 < blocks) {
         for (int i = 0; i < MG; ++i) _mm512_storeu_ps(saved + 16 * i, acc[i]);
@@ -433,7 +545,7 @@ void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, f
             __m256i dot = block_dot(codes, xq, scales);
             const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum16.data() + row * (a.K / 16) + 16 * b));
             dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a.d[row * (a.K / QK) + b]), acc[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a.dx(row, b)), acc[i]);
         }
     }
     for (int i = 0; i < MG; ++i) sums[i] = hsum(acc[i]);
@@ -455,7 +567,7 @@ void q6k_rows(const Activations& a, int64_t m0, const uint8_t* w, float* sums, f
                 const int hi = (block[128 + 32 * h + l] >> (2 * quarter)) & 3;
                 dot += sc[k / 16] * ((lo | (hi << 4)) - 32) * xq[k];
             }
-            total = std::fma(static_cast<float>(dot), half_to_float(dh) * a.d[row * (a.K / QK) + b], total);
+            total = std::fma(static_cast<float>(dot), half_to_float(dh) * a.dx(row, b), total);
         }
         sums[i] = total;
     }
@@ -571,39 +683,27 @@ void sd_linear_kq(const bf16* x, int64_t M, int64_t K, int64_t ldx, int parts, c
                   const int* types, const int64_t* rows, const float* bias, void* y, int64_t ldy, int out_f32,
                   int threads) {
     if (M <= 0) return;
-    Activations a;
-    a.K = K;
-    a.q.resize(M * K);
-    a.d.resize(M * (K / QK));
-    a.sum16.resize(M * (K / 16));
-    a.sum32.resize(M * (K / 32));
-    a.low.resize(M * (K / 32));
-#if KQ_ISA == 2
-    a.q4.resize(M * K);
-#endif
-    for (int64_t m = 0; m < M; ++m) {
-        quantize_row(x + m * ldx, K, a.q.data() + m * K, a.d.data() + m * (K / QK), a.sum16.data() + m * (K / 16),
-                     a.sum32.data() + m * (K / 32));
-        for (int64_t j = 0; j < K / 32; ++j)
-            a.low[m * (K / 32) + j] = a.d[m * (K / QK) + j / 8] * static_cast<float>(a.sum32[m * (K / 32) + j]);
-#if KQ_ISA == 2
-        for (int64_t k = 0; k < K; k += 32) {  // 32 inputs at a time: the quarters 1 and 2 of each 128 swap
-            const int64_t quarter = (k / 32) % 4, from = quarter == 1 ? k + 32 : quarter == 2 ? k - 32 : k;
-            std::memcpy(a.q4.data() + m * K + k, a.q.data() + m * K + from, 32);
-        }
-#endif
-    }
-    int64_t total = 0;
+    Activations a(M, K);
     std::vector<int64_t> first(parts + 1, 0);
     for (int p = 0; p < parts; ++p) first[p + 1] = first[p] + rows[p];
-    total = first[parts];
+    const int64_t total = first[parts];
 #if KQ_ISA == 2
-    if (M > 1 && M * K > tiled_above) {
-        std::vector<std::pair<int, int64_t>> tiles;  // (part, first row): tiles never straddle parts
+    const bool tiled = M > 1 && M * K > tiled_above;
+    std::vector<std::pair<int, int64_t>> tiles;  // (part, first row): tiles never straddle parts
+    if (tiled)
         for (int p = 0; p < parts; ++p)
             for (int64_t r = 0; r < rows[p]; r += TILE) tiles.emplace_back(p, r);
+#endif
 #pragma omp parallel num_threads(threads)
-        {
+    {
+        // the rows' blocks quantized by all threads, then the output columns split between them
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * (K / QK); ++i) {
+            const int64_t m = i / (K / QK), b = i % (K / QK);
+            prepare_block(a, x + m * ldx + b * QK, m, b);
+        }
+#if KQ_ISA == 2
+        if (tiled) {
             std::vector<float> sums(TILE * M), scratch(TILE * (K / 32)), saved(TILE * ROWS * 16);
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < static_cast<int64_t>(tiles.size()); ++i) {
@@ -615,19 +715,17 @@ void sd_linear_kq(const bf16* x, int64_t M, int64_t K, int64_t ldx, int parts, c
                 for (int t = 0; t < count; ++t)
                     store_column(sums.data() + t * M, M, first[p] + r + t, bias, y, ldy, out_f32);
             }
-        }
-        return;
-    }
+        } else
 #endif
-#pragma omp parallel num_threads(threads)
-    {
-        std::vector<float> sums(M), scratch(K / 32);
+        {
+            std::vector<float> sums(M), scratch(K / 32);
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < total; ++n) {
-            const int p = static_cast<int>(std::upper_bound(first.begin(), first.end(), n) - first.begin()) - 1;
-            const uint8_t* w = weights[p] + (n - first[p]) * sd_kq_row_bytes(types[p], K);
-            weight_row(types[p], a, M, w, sums.data(), scratch.data());
-            store_column(sums.data(), M, n, bias, y, ldy, out_f32);
+            for (int64_t n = 0; n < total; ++n) {
+                const int p = static_cast<int>(std::upper_bound(first.begin(), first.end(), n) - first.begin()) - 1;
+                const uint8_t* w = weights[p] + (n - first[p]) * sd_kq_row_bytes(types[p], K);
+                weight_row(types[p], a, M, w, sums.data(), scratch.data());
+                store_column(sums.data(), M, n, bias, y, ldy, out_f32);
+            }
         }
     }
 }
