@@ -8,7 +8,7 @@ import threading
 from collections import deque
 from typing import Callable, Iterable, Iterator
 
-from specdecode.engine.engine import Engine, StepFailed
+from specdecode.engine.engine import Engine, StepFailed, StepOutput
 from specdecode.engine.request import DecodeConfig, GenerationResult, Request, TokenEvent
 
 
@@ -25,10 +25,14 @@ class Driver:
     request's (a backend's, Ctrl-C), the caller that stepped. Every other request gets a StepFailed
     (a RuntimeError) naming the error. The next call is clean. A caller interrupted between steps
     aborts its own request.
+
+    With `deliver` (the server's worker, which steps in its own thread for callers waiting
+    elsewhere), nothing is kept: deliver(request_id, item) gets each request's StepOutputs as
+    they come and, if a step fails it, its error (an exception).
     """
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: Engine, deliver: Callable[[int, object], None] | None = None):
+        self.engine, self.deliver = engine, deliver
         self.events: dict[int, deque[TokenEvent]] = {}
         self.results: dict[int, GenerationResult] = {}
         self.failed: dict[int, BaseException] = {}
@@ -54,7 +58,8 @@ class Driver:
                 self._submitting -= 1
                 self._submitted.notify_all()
 
-    def step(self) -> None:
+    def step(self) -> list[StepOutput]:
+        """One engine step; its outputs, routed (none where it failed)."""
         with self._submitted:  # a request being added joins this step (bounded: never a hang)
             self._submitted.wait_for(lambda: self._submitting == 0, timeout=1.0)
         with self._lock:
@@ -64,16 +69,24 @@ class Driver:
                 outputs = self.engine.step()
             except BaseException as err:
                 failures = self.engine.fail(err)
-                self.failed.update(failures)
+                if self.deliver is None:
+                    self.failed.update(failures)  # each caller finds its request's failure in _take
+                else:
+                    for request_id, error in failures.items():
+                        self.deliver(request_id, error)
                 if err not in failures.values():  # nobody's request in particular: the caller that stepped
                     raise
-                return  # each caller finds its request's failure in _take
+                return []
             for output in outputs:
+                if self.deliver is not None:
+                    self.deliver(output.request_id, output)
+                    continue
                 queue = self.events.get(output.request_id)
                 if queue is not None:
                     queue.extend(output.events)
                 if output.result is not None:
                     self.results[output.request_id] = output.result
+            return outputs
 
     def _take(self, request_id: int) -> GenerationResult | None:
         """The request's result once finished (None before); raises its failure."""

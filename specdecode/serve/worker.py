@@ -1,12 +1,13 @@
-"""The engine's one owner: a thread that adds, steps and aborts, while HTTP handlers (on the event
-loop) submit requests and read their events (continuous batching across clients).
+"""The engine's one owner: a thread that adds, steps and aborts through a Driver, while HTTP
+handlers (on the event loop) submit requests and read their outputs (continuous batching across
+clients).
 
 Handlers never touch the engine. They put commands in the worker's inbox; the worker applies
 them between steps, so a request joins the running batch at the next step and an abort frees its
-row before the next one. Each step's outputs go back to each handler's asyncio queue with
-`call_soon_threadsafe`. An exception raised by a step fails the requests in it (Engine.fail: the
-request at fault gets the error, the others a retryable StepFailed), empties the caches, and the
-worker goes on serving.
+row before the next one. The Driver delivers each step's outputs, which go back to each handler's
+asyncio queue with `call_soon_threadsafe`. A step that raises fails the requests in it (the
+Driver's rule, Engine.fail: the request at fault gets the error, the others a retryable
+StepFailed), empties the caches, and the worker goes on serving.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from specdecode.engine.engine import Engine, StepOutput
+from specdecode.engine.driver import Driver
+from specdecode.engine.engine import Engine, StepFailed, StepOutput
 from specdecode.engine.request import Request
 from specdecode.engine.threads import ComputeThread
 
@@ -57,6 +59,7 @@ class EngineWorker:
 
     def __init__(self, engine: Engine, max_queue: int, on_step=None):
         self.engine, self.max_queue, self.on_step = engine, max_queue, on_step
+        self.driver = Driver(engine, deliver=self._route)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._handles: dict[int, Handle] = {}
         self._pending = 0            # submitted, not yet added (read by handlers for 429)
@@ -128,15 +131,11 @@ class EngineWorker:
                 continue
             start = time.perf_counter()
             try:
-                outputs = self.engine.step()
-            except Exception as err:  # one bad step must not stop the server
-                log.exception("an engine step failed; its %d requests get an error", len(self._handles))
-                for request_id, item in self.engine.fail(err).items():
-                    if (handle := self._handles.pop(request_id, None)) is not None:
-                        self._send(handle, item)
+                outputs = self.driver.step()
+            except Exception:  # one bad step must not stop the server (its requests got their errors)
+                log.exception("an engine step failed; every request in it got an error")
                 continue
-            self._deliver(outputs)
-            if self.on_step is not None:
+            if self.on_step is not None and outputs:
                 self.on_step(outputs, time.perf_counter() - start)
 
     def _apply_inbox(self) -> None:
@@ -149,29 +148,35 @@ class EngineWorker:
                 with self._lock:
                     self._pending -= 1
                 try:
-                    handle.request_id = self.engine.add(handle.request)
+                    handle.request_id = self.driver.submit(handle.request)
                 except Exception as err:
                     self._send(handle, err)
                     continue
                 self._handles[handle.request_id] = handle
             elif handle.request_id in self._handles:
                 del self._handles[handle.request_id]
-                self.engine.abort(handle.request_id)
+                self.driver.abort(handle.request_id)
 
-    def _deliver(self, outputs: list[StepOutput]) -> None:
-        for output in outputs:
-            handle = self._handles.get(output.request_id)
-            if handle is None:
-                continue
-            self._send(handle, output)
-            if output.result is not None:
-                del self._handles[output.request_id]
-                self._send(handle, None)
+    def _route(self, request_id: int, item: StepOutput | BaseException) -> None:
+        """The Driver's delivery: a StepOutput (then None once finished) or a failure, to the handler."""
+        handle = self._handles.get(request_id)
+        if handle is None:
+            return
+        if isinstance(item, BaseException):
+            if not isinstance(item, StepFailed):
+                log.warning("request %d failed its step: %s: %s", request_id, type(item).__name__, item)
+            del self._handles[request_id]
+            self._send(handle, item)
+            return
+        self._send(handle, item)
+        if item.result is not None:
+            del self._handles[request_id]
+            self._send(handle, None)
 
     def _shut_down(self) -> None:
         """Every request in the engine ends with ShuttingDown."""
         for request_id, handle in list(self._handles.items()):
-            self.engine.abort(request_id)
+            self.driver.abort(request_id)
             self._send(handle, ShuttingDown("the server is shutting down"))
         self._handles.clear()
 
