@@ -9,7 +9,8 @@
 //         Σ_k x·W = dx·d·(Σ_j sc_j·Σ_{k∈j} q·x̂  −  32·Σ_j sc_j·Σ_{k∈j} x̂)
 // where x̂ are the int8 activations. Per super-block of 256 inputs the integer sums are exact
 // (bounded well inside int32; the pairs of u8·s8 products inside int16); the super-blocks' float
-// terms are accumulated in a fixed order of vector lanes per output row.
+// terms are accumulated in a fixed order of vector lanes per output row. With AVX-512 each lane
+// holds one sub-block's integers (transpose_lanes), scaled by d·sc_j in float32.
 //
 // Batch invariance: a row's activation scale and integers depend on that row alone, and its
 // accumulation order on K alone (never on M, the other rows or the thread count: threads split
@@ -46,7 +47,7 @@ const int QK = 256;               // inputs per super-block
 const int Q4K_BYTES = 144;        // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
 const int Q6K_BYTES = 210;        // 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, fp16 d
 const int TYPE_Q4_K = 12, TYPE_Q6_K = 14;  // GGML type ids
-// activation rows per pass over a weight row: AVX-512 keeps 12 rows' accumulators in its 32
+// activation rows per pass over a weight row: AVX-512 keeps 12 rows' accumulators and integer sums in its 32
 // registers (a 9-token verify in one pass); AVX2's 16 would spill them
 #if KQ_ISA == 2
 const int ROWS = 12;
