@@ -10,10 +10,12 @@ order does not).
     python benchmarks/kernel_ab.py kquants /tmp/old.cpp specdecode/native/kquants.cpp --rows 1 5 9
     python benchmarks/kernel_ab.py bf16 /tmp/old.cpp specdecode/native/rows.cpp
     python benchmarks/kernel_ab.py int4 /tmp/old.cpp specdecode/native/rows.cpp
+    python benchmarks/kernel_ab.py attention /tmp/old.cpp specdecode/native/rows.cpp --rows 1 9 840
 
 kquants: the target's Q4_K_M file's own blocks (sd_linear_kq); bf16: the target's shapes in
 bfloat16, distinct random weights (sd_linear); int4: the draft's shapes in the int4 draft layout,
-random codes (sd_linear_q4).
+random codes (sd_linear_q4); attention: the target's 28 layers of attention (12 query heads, 2
+KV heads of 128) for M query rows at the end of an 800-token cache (M ≥ 800: a prompt of M tokens).
 """
 import argparse
 import ctypes
@@ -85,6 +87,28 @@ def int4_products():
     return products
 
 
+def attention_calls():
+    """[(M, call(lib, out))] factory: the target's attention for M rows over max(M, 800) slots."""
+    layers, heads, kv_heads, dim = TARGET["layers"], 12, 2, 128
+
+    def calls(m):
+        slots = max(m, 800)
+        q = torch.randn(1, m, heads, dim).bfloat16()
+        k, v = (torch.randn(1, kv_heads, slots, dim).bfloat16() for _ in range(2))
+        out = torch.empty_like(q)
+
+        def call(lib, threads):
+            for _ in range(layers):
+                lib.sd_attention(ctypes.c_void_p(q.data_ptr()), ctypes.c_int64(1), ctypes.c_int64(m), ctypes.c_int64(heads),
+                                 ctypes.c_int64(dim), ctypes.c_void_p(k.data_ptr()), ctypes.c_void_p(v.data_ptr()),
+                                 ctypes.c_int64(kv_heads), ctypes.c_int64(slots), ctypes.c_int64(k.stride(0)),
+                                 ctypes.c_int64(k.stride(1)), None, ctypes.c_float(dim ** -0.5),
+                                 ctypes.c_void_p(out.data_ptr()), ctypes.c_int(threads))
+            return out.clone()
+        return call
+    return calls
+
+
 def build_version(source: Path, folder: Path, index: int) -> ctypes.CDLL:
     compile_flags, link_flags = build._flags()
     library = folder / f"version{index}.so"
@@ -92,9 +116,14 @@ def build_version(source: Path, folder: Path, index: int) -> ctypes.CDLL:
     return ctypes.CDLL(str(library))
 
 
+def report(m: int, versions: list, best: list, same: bool) -> None:
+    print(f"M={m}: " + ", ".join(f"{source} {1e3 * t:.1f} ms" for source, t in zip(versions, best))
+          + f"; the same bits: {same}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=["kquants", "bf16", "int4"])
+    parser.add_argument("kernel", choices=["kquants", "bf16", "int4", "attention"])
     parser.add_argument("versions", nargs="+", type=Path, help="kernel source files (two or more)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 9])
     parser.add_argument("--repeats", type=int, default=7)
@@ -103,6 +132,17 @@ def main() -> int:
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as folder:
         libraries = [build_version(source, Path(folder), i) for i, source in enumerate(args.versions)]
+        if args.kernel == "attention":
+            calls = attention_calls()
+            for m in args.rows:
+                call, best, outputs = calls(m), [float("inf")] * len(libraries), [None] * len(libraries)
+                for _ in range(args.repeats):
+                    for v, library in enumerate(libraries):
+                        start = time.perf_counter()
+                        outputs[v] = call(library, threads)
+                        best[v] = min(best[v], time.perf_counter() - start)
+                report(m, args.versions, best, all(torch.equal(outputs[0], o) for o in outputs[1:]))
+            return 0
         products = {"kquants": kquant_products, "bf16": bf16_products, "int4": int4_products}[args.kernel]()
         for m in args.rows:
             inputs = {k: torch.randn(m, k).bfloat16() for k in {k for k, _, _ in products}}
@@ -114,9 +154,7 @@ def main() -> int:
                     for (k, _, call), out in zip(products, outputs[v]):
                         call(library, inputs[k], out, threads)
                     best[v] = min(best[v], time.perf_counter() - start)
-            same = all(torch.equal(a, b) for other in outputs[1:] for a, b in zip(outputs[0], other))
-            print(f"M={m}: " + ", ".join(f"{source} {1e3 * t:.1f} ms" for source, t in zip(args.versions, best))
-                  + f"; the same bits: {same}", flush=True)
+            report(m, args.versions, best, all(torch.equal(a, b) for other in outputs[1:] for a, b in zip(outputs[0], other)))
     return 0
 
 

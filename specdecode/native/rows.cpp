@@ -602,6 +602,63 @@ void sd_rope_split(const bf16* qkv, int64_t ld, int64_t B, int64_t T, int64_t Hq
 //   allowed [B, T, S] bytes (1: the query sees that slot), or null: query t sees slots
 //   0 … S − T + t (dense causal rows); out [B, T, Hq, D] bfloat16.
 // A query's visible slots are taken in slot order and numbered among themselves (see the top).
+#if SD_ISA == 2
+// One query row's attention with AVX-512 (D a multiple of 32, at most MAX_FAST_D): the same
+// operations per score, softmax and output element as the general loop below, in the same order
+// (so the same bits), scheduled for throughput: 4 keys' score chains at a time, and the output's
+// accumulators in registers across the keys instead of in memory.
+static const int64_t MAX_FAST_D = 256;
+
+static void attend_avx512(const bf16* qrow, const bf16* kbase, const bf16* vbase, const int64_t* slots, int64_t n,
+                          int64_t D, float scale, float* p, bf16* o) {
+    const int64_t chunks = D / 32;
+    __m512bh qv[MAX_FAST_D / 32];
+    for (int64_t j = 0; j < chunks; ++j) qv[j] = load_bh(qrow + 32 * j);
+    float best = -INFINITY;
+    int64_t c = 0;
+    for (; c + 4 <= n; c += 4) {
+        const bf16* key[4] = {kbase + slots[c] * D, kbase + slots[c + 1] * D, kbase + slots[c + 2] * D,
+                              kbase + slots[c + 3] * D};
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t j = 0; j < chunks; ++j)
+            for (int u = 0; u < 4; ++u) a[u] = _mm512_dpbf16_ps(a[u], qv[j], load_bh(key[u] + 32 * j));
+        for (int u = 0; u < 4; ++u) {
+            p[c + u] = hsum(a[u]) * scale;
+            best = std::max(best, p[c + u]);
+        }
+    }
+    for (; c < n; ++c) {
+        const bf16* key = kbase + slots[c] * D;
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t j = 0; j < chunks; ++j) a = _mm512_dpbf16_ps(a, qv[j], load_bh(key + 32 * j));
+        p[c] = hsum(a) * scale;
+        best = std::max(best, p[c]);
+    }
+    for (int64_t i = 0; i < n; ++i) p[i] -= best;
+    exp_inplace(p, n);
+    float lanes[16] = {0};
+    for (int64_t i = 0; i < n; ++i) lanes[i & 15] += p[i];
+    for (int step = 8; step >= 1; step /= 2)
+        for (int l = 0; l < step; ++l) lanes[l] += lanes[l + step];
+    const float total = lanes[0];
+    __m512 acc[MAX_FAST_D / 16];
+    const int64_t vectors = D / 16;
+    for (int64_t j = 0; j < vectors; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+        const bf16* value = vbase + slots[i] * D;
+        const __m512 weight = _mm512_set1_ps(p[i]);
+        for (int64_t j = 0; j < vectors; ++j) {
+            const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(value + 16 * j))), 16));
+            acc[j] = _mm512_fmadd_ps(weight, x, acc[j]);
+        }
+    }
+    alignas(64) float result[MAX_FAST_D];
+    for (int64_t j = 0; j < vectors; ++j) _mm512_store_ps(result + 16 * j, acc[j]);
+    for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(result[d] / total);
+}
+#endif
+
 void sd_attention(const bf16* q, int64_t B, int64_t T, int64_t Hq, int64_t D, const bf16* k, const bf16* v,
                   int64_t Hkv, int64_t S, int64_t kv_b, int64_t kv_h, const uint8_t* allowed, float scale, bf16* out,
                   int threads) {
@@ -625,6 +682,12 @@ void sd_attention(const bf16* q, int64_t B, int64_t T, int64_t Hq, int64_t D, co
             const bf16* kbase = k + b * kv_b + kvh * kv_h;
             const bf16* vbase = v + b * kv_b + kvh * kv_h;
             float best = -INFINITY;
+#if SD_ISA == 2
+            if (D % 32 == 0 && D <= MAX_FAST_D) {
+                attend_avx512(qrow, kbase, vbase, slots.data(), n, D, scale, p.data(), out + ((b * T + t) * Hq + h) * D);
+                continue;
+            }
+#endif
             for (int64_t c = 0; c < n; ++c) {
                 const bf16* key = kbase + slots[c] * D;
 #if SD_ISA == 2
