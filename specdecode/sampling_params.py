@@ -15,6 +15,14 @@ from dataclasses import dataclass, field
 GREEDY_TEMPERATURE_AT_MOST = 2.0 ** -150
 
 
+class OptionError(ValueError):
+    """An option out of range; `field` names it (the server answers 400 with it as the `param`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to turn logits into the distribution that is sampled (paper §2.2).
@@ -46,7 +54,7 @@ class SamplingParams:
 
     Raises:
         TypeError: a field of the wrong type (the message names the field).
-        ValueError: on a negative or infinite temperature, a negative top_k, top_p outside (0, 1],
+        OptionError (a ValueError naming the field): on a negative or infinite temperature, a negative top_k, top_p outside (0, 1],
             min_p outside [0, 1), a seed outside [-2**63, 2**64), repetition_penalty <= 0 or
             infinite, presence_penalty or frequency_penalty outside [-2, 2], a logit_bias id < 0
             or bias outside [-100, 100], min_tokens < 0.
@@ -68,22 +76,22 @@ class SamplingParams:
         self._check_types()
         self._check_logit_bias()
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            raise OptionError("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if not 0 <= self.temperature < math.inf:  # also catches NaN
-            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
+            raise OptionError("temperature", f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+            raise OptionError("top_k", f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise OptionError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p < 1:
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+            raise OptionError("min_p", f"min_p must be in [0, 1), got {self.min_p}")
         if self.seed is not None and not -2**63 <= self.seed < 2**64:
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
+            raise OptionError("seed", f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         if not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be finite and > 0 (1 = off), got {self.repetition_penalty}")
+            raise OptionError("repetition_penalty", f"repetition_penalty must be finite and > 0 (1 = off), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+                raise OptionError(name, f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
 
     def _check_types(self) -> None:
         """TypeError on a wrong type; numbers are stored as the field's Python type (torch refuses
@@ -100,7 +108,7 @@ class SamplingParams:
             try:
                 object.__setattr__(self, name, kind(value))
             except OverflowError:  # an int beyond float's range, e.g. temperature=10**400
-                raise ValueError(f"{name} must be finite, got {value!r}") from None
+                raise OptionError(name, f"{name} must be finite, got {value!r}") from None
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
@@ -112,9 +120,9 @@ class SamplingParams:
         bias = {}
         for token, value in self.logit_bias.items():
             if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
-                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                raise OptionError("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not -100 <= value <= 100:
-                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+                raise OptionError("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
             bias[int(token)] = float(value)
         object.__setattr__(self, "logit_bias", bias or None)
 

@@ -381,8 +381,8 @@ class RequestBuilder:
             prompt_logprobs = 0
         try:
             sampling = self.wire_sampling(req)
-        except (ValueError, TypeError) as err:
-            raise ApiError(400, str(err)) from None
+        except (ValueError, TypeError) as err:  # SamplingParams' rules (OptionError names the field)
+            raise ApiError(400, str(err), getattr(err, "field", None)) from None
         field = "grammar" if req.grammar is not None else "response_format"
         try:
             grammar = self.grammar(req.response_format, req.grammar)
@@ -410,7 +410,7 @@ class RequestBuilder:
         return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                               top_p=1.0 if req.top_p is None else req.top_p,
                               top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, seed=req.seed,
-                              repetition_penalty=req.repetition_penalty or 1.0,
+                              repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                               presence_penalty=req.presence_penalty or 0.0,
                               frequency_penalty=req.frequency_penalty or 0.0,
                               logit_bias={int(k): float(v) for k, v in (req.logit_bias or {}).items()} or None,

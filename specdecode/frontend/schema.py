@@ -45,22 +45,22 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: StrictStr
     max_tokens: StrictInt | None = Field(default=None, ge=0)   # 0 only with echo (score the prompt)
-    temperature: Number | None = Field(default=None, ge=0, le=2)
-    top_p: Number | None = Field(default=None, gt=0, le=1)
+    temperature: Number | None = Field(default=None, le=2)       # OpenAI's limit; SamplingParams checks the rest
+    top_p: Number | None = None
     top_k: StrictInt | None = Field(default=None, ge=-1)
-    min_p: Number | None = Field(default=None, ge=0, lt=1)
-    seed: StrictInt | None = Field(default=None, ge=-2**63, lt=2**64)
+    min_p: Number | None = None
+    seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     n: StrictInt | None = Field(default=1, ge=1, le=MAX_CHOICES)
     best_of: StrictInt | None = None                                # only n (the choices are all returned)
     logit_bias: dict[StrictStr, Number] | None = None               # {"token id": bias in [-100, 100]}
-    min_tokens: StrictInt | None = Field(default=0, ge=0)           # vLLM's extension: EOS masked until then
+    min_tokens: StrictInt | None = 0                                # vLLM's extension: EOS masked until then
     ignore_eos: StrictBool | None = False                           # vLLM's extension: EOS does not end it
-    presence_penalty: Number | None = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: Number | None = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: Number | None = Field(default=None, gt=0)   # vLLM's extension; transformers' semantics
+    presence_penalty: Number | None = 0.0
+    frequency_penalty: Number | None = 0.0
+    repetition_penalty: Number | None = None                        # vLLM's extension; transformers' semantics
     response_format: dict | None = None
     grammar: StrictStr | None = None                                 # EBNF, or "regex:PATTERN"
     num_speculative_tokens: StrictInt | None = Field(default=None, ge=0, le=MAX_GAMMA)

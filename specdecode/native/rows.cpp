@@ -602,26 +602,39 @@ void sd_rope_split(const bf16* qkv, int64_t ld, int64_t B, int64_t T, int64_t Hq
 //   allowed [B, T, S] bytes (1: the query sees that slot), or null: query t sees slots
 //   0 … S − T + t (dense causal rows); out [B, T, Hq, D] bfloat16.
 // A query's visible slots are taken in slot order and numbered among themselves (see the top).
-#if SD_ISA == 2
-// One query row's attention with AVX-512 (D a multiple of 32, at most MAX_FAST_D): the same
-// operations per score, softmax and output element as the general loop below, in the same order
-// (so the same bits), scheduled for throughput: 4 keys' score chains at a time, and the output's
-// accumulators in registers across the keys instead of in memory.
+#if SD_ISA >= 1
+// One query row's attention with AVX-512 (D a multiple of 32) or AVX2 (D a multiple of 8), D at
+// most MAX_FAST_D: the same operations per score, softmax and output element as the general loop
+// in sd_attention, in the same order (so the same bits), scheduled for throughput: 4 keys' score
+// chains at a time, and (AVX-512) the output's accumulators in registers across the keys.
 static const int64_t MAX_FAST_D = 256;
+#if SD_ISA == 2
+static const int64_t SCORE_STEP = 32;  // bfloat16 pairs per vdpbf16ps
+typedef __m512bh QVec;
+static inline QVec load_q(const bf16* p) { return load_bh(p); }
+static inline __m512 score_step(__m512 a, QVec q, const bf16* key) { return _mm512_dpbf16_ps(a, q, load_bh(key)); }
+static inline __m512 zero_acc() { return _mm512_setzero_ps(); }
+#else
+static const int64_t SCORE_STEP = 8;
+typedef __m256 QVec;
+static inline QVec load_q(const bf16* p) { return load8(p); }
+static inline __m256 score_step(__m256 a, QVec q, const bf16* key) { return _mm256_fmadd_ps(q, load8(key), a); }
+static inline __m256 zero_acc() { return _mm256_setzero_ps(); }
+#endif
 
-static void attend_avx512(const bf16* qrow, const bf16* kbase, const bf16* vbase, const int64_t* slots, int64_t n,
-                          int64_t D, float scale, float* p, bf16* o) {
-    const int64_t chunks = D / 32;
-    __m512bh qv[MAX_FAST_D / 32];
-    for (int64_t j = 0; j < chunks; ++j) qv[j] = load_bh(qrow + 32 * j);
+static void attend_fast(const bf16* qrow, const bf16* kbase, const bf16* vbase, const int64_t* slots, int64_t n,
+                        int64_t D, float scale, float* p, bf16* o) {
+    const int64_t steps = D / SCORE_STEP;
+    QVec qv[MAX_FAST_D / SCORE_STEP];
+    for (int64_t j = 0; j < steps; ++j) qv[j] = load_q(qrow + SCORE_STEP * j);
     float best = -INFINITY;
     int64_t c = 0;
     for (; c + 4 <= n; c += 4) {
         const bf16* key[4] = {kbase + slots[c] * D, kbase + slots[c + 1] * D, kbase + slots[c + 2] * D,
                               kbase + slots[c + 3] * D};
-        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int64_t j = 0; j < chunks; ++j)
-            for (int u = 0; u < 4; ++u) a[u] = _mm512_dpbf16_ps(a[u], qv[j], load_bh(key[u] + 32 * j));
+        decltype(zero_acc()) a[4] = {zero_acc(), zero_acc(), zero_acc(), zero_acc()};
+        for (int64_t j = 0; j < steps; ++j)
+            for (int u = 0; u < 4; ++u) a[u] = score_step(a[u], qv[j], key[u] + SCORE_STEP * j);
         for (int u = 0; u < 4; ++u) {
             p[c + u] = hsum(a[u]) * scale;
             best = std::max(best, p[c + u]);
@@ -629,8 +642,8 @@ static void attend_avx512(const bf16* qrow, const bf16* kbase, const bf16* vbase
     }
     for (; c < n; ++c) {
         const bf16* key = kbase + slots[c] * D;
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t j = 0; j < chunks; ++j) a = _mm512_dpbf16_ps(a, qv[j], load_bh(key + 32 * j));
+        auto a = zero_acc();
+        for (int64_t j = 0; j < steps; ++j) a = score_step(a, qv[j], key + SCORE_STEP * j);
         p[c] = hsum(a) * scale;
         best = std::max(best, p[c]);
     }
@@ -641,6 +654,8 @@ static void attend_avx512(const bf16* qrow, const bf16* kbase, const bf16* vbase
     for (int step = 8; step >= 1; step /= 2)
         for (int l = 0; l < step; ++l) lanes[l] += lanes[l + step];
     const float total = lanes[0];
+    alignas(64) float result[MAX_FAST_D];
+#if SD_ISA == 2
     __m512 acc[MAX_FAST_D / 16];
     const int64_t vectors = D / 16;
     for (int64_t j = 0; j < vectors; ++j) acc[j] = _mm512_setzero_ps();
@@ -653,8 +668,16 @@ static void attend_avx512(const bf16* qrow, const bf16* kbase, const bf16* vbase
             acc[j] = _mm512_fmadd_ps(weight, x, acc[j]);
         }
     }
-    alignas(64) float result[MAX_FAST_D];
     for (int64_t j = 0; j < vectors; ++j) _mm512_store_ps(result + 16 * j, acc[j]);
+#else
+    std::fill(result, result + D, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+        const bf16* value = vbase + slots[i] * D;
+        const __m256 weight = _mm256_set1_ps(p[i]);
+        for (int64_t d = 0; d < D; d += 8)
+            _mm256_store_ps(result + d, _mm256_fmadd_ps(weight, load8(value + d), _mm256_load_ps(result + d)));
+    }
+#endif
     for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(result[d] / total);
 }
 #endif
@@ -682,9 +705,9 @@ void sd_attention(const bf16* q, int64_t B, int64_t T, int64_t Hq, int64_t D, co
             const bf16* kbase = k + b * kv_b + kvh * kv_h;
             const bf16* vbase = v + b * kv_b + kvh * kv_h;
             float best = -INFINITY;
-#if SD_ISA == 2
-            if (D % 32 == 0 && D <= MAX_FAST_D) {
-                attend_avx512(qrow, kbase, vbase, slots.data(), n, D, scale, p.data(), out + ((b * T + t) * Hq + h) * D);
+#if SD_ISA >= 1
+            if (D % SCORE_STEP == 0 && D <= MAX_FAST_D) {
+                attend_fast(qrow, kbase, vbase, slots.data(), n, D, scale, p.data(), out + ((b * T + t) * Hq + h) * D);
                 continue;
             }
 #endif
