@@ -124,11 +124,17 @@ class GrammarCompiler:
             if grammar is None:
                 return None
             if grammar.startswith("regex:"):
-                return Grammar(self._compiler.compile_regex(grammar[len("regex:"):]), "regex", self.vocab_size)
-            return Grammar(self._compiler.compile_grammar(grammar), "ebnf", self.vocab_size)
+                compiled = Grammar(self._compiler.compile_regex(grammar[len("regex:"):]), "regex", self.vocab_size)
+            else:
+                compiled = Grammar(self._compiler.compile_grammar(grammar), "ebnf", self.vocab_size)
         except RuntimeError as err:
             what = "JSON schema" if parsed is not None else "regex" if grammar.startswith("regex:") else "grammar"
             raise ValueError(f"invalid {what}: {_short(err)}") from None
+        # a grammar that allows no first token (e.g. the regex [^\s\S]) would mask every token of the
+        # first position: refused here, not in a decoding step (which would end every request in it)
+        if not compiled.state(0)._allowed().any():
+            raise ValueError("the grammar accepts no text (no token can start it)")
+        return compiled
 
 
 class GrammarState:

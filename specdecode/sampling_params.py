@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 # float32 rounds a temperature at or below 2**-150 (≈ 7e-46) to 0, and adjust divides float32
 # logits by it: such a temperature is the limit T → 0 of softmax(l / T), which is greedy.
 GREEDY_TEMPERATURE_AT_MOST = 2.0 ** -150
+REPETITION_PENALTY_RANGE = (1e-20, 1e20)
 
 
 class OptionError(ValueError):
@@ -35,7 +36,7 @@ class SamplingParams:
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 keeps all.
     min_p: drop tokens whose probability is below min_p × the top token's; 0.0 keeps all.
     seed: seeds the request's torch.Generator; None draws a fresh seed.
-    repetition_penalty: > 0, 1.0 = off; transformers' semantics (RepetitionPenaltyLogitsProcessor):
+    repetition_penalty: in [1e-20, 1e20], 1.0 = off; transformers' semantics (RepetitionPenaltyLogitsProcessor):
         the logit of every id in the prefix, prompt included, is divided by it if positive and
         multiplied by it if negative.
     presence_penalty, frequency_penalty: in [-2, 2], 0.0 = off; OpenAI's semantics over the
@@ -55,8 +56,8 @@ class SamplingParams:
     Raises:
         TypeError: a field of the wrong type (the message names the field).
         OptionError (a ValueError naming the field): on a negative or infinite temperature, a negative top_k, top_p outside (0, 1],
-            min_p outside [0, 1), a seed outside [-2**63, 2**64), repetition_penalty <= 0 or
-            infinite, presence_penalty or frequency_penalty outside [-2, 2], a logit_bias id < 0
+            min_p outside [0, 1), a seed outside [-2**63, 2**64), repetition_penalty outside
+            [1e-20, 1e20], presence_penalty or frequency_penalty outside [-2, 2], a logit_bias id < 0
             or bias outside [-100, 100], min_tokens < 0.
     """
 
@@ -87,8 +88,10 @@ class SamplingParams:
             raise OptionError("min_p", f"min_p must be in [0, 1), got {self.min_p}")
         if self.seed is not None and not -2**63 <= self.seed < 2**64:
             raise OptionError("seed", f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
-        if not 0 < self.repetition_penalty < math.inf:
-            raise OptionError("repetition_penalty", f"repetition_penalty must be finite and > 0 (1 = off), got {self.repetition_penalty}")
+        if not REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1]:
+            # beyond, a penalized logit leaves float32's range (logit / 1e-37 is +inf: NaN probabilities)
+            raise OptionError("repetition_penalty", f"repetition_penalty must be in [1e-20, 1e20] (1 = off), "
+                                                    f"got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise OptionError(name, f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")

@@ -129,7 +129,7 @@ def test_summary_of_a_one_token_run_says_1_token(model_dirs, capsys):
     (["generate", "@/no/such/file.txt"], "cannot read the prompt: [Errno 2] No such file or directory"),
     (["alpha", "--prompts", "0"], "--prompts and --max-new-tokens must be >= 1"),
     (["bench", "--new-tokens", "1"], "--new-tokens >= 2"),
-    (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be finite and > 0 (1 = off), got 0.0"),
+    (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be in [1e-20, 1e20] (1 = off), got 0.0"),
     (["generate", "hi", "--presence-penalty", "2.5"], "--presence-penalty must be in [-2, 2] (0 = off), got 2.5"),
     (["generate", "hi", "--frequency-penalty", "-3"], "--frequency-penalty must be in [-2, 2] (0 = off), got -3.0"),
     (["generate", "hi", "--logprobs", "21", "--json"], "--logprobs must be None or an integer in [0, 20] (alternatives per token), got 21"),

@@ -246,3 +246,9 @@ def test_response_format_errors_are_one_clear_line(ascii_compiler):
     with pytest.raises(ValueError, match="not both"):
         ascii_compiler.compile({"type": "json_object"}, grammar="root ::= \"a\"")
     assert ascii_compiler.compile({"type": "text"}) is None
+    # a grammar no token can start would mask a whole first position (NaN probabilities in a step
+    # that ends every request in it): refused when compiled
+    for empty in ("regex:[^\\s\\S]", "root ::= [^\\x00-\\U0010FFFF]"):
+        with pytest.raises(ValueError, match="accepts no text"):
+            ascii_compiler.compile(grammar=empty)
+    assert ascii_compiler.compile(grammar="regex:a+") is not None

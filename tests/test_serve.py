@@ -219,6 +219,9 @@ def test_sixteen_concurrent_requests_each_equal_their_solo_result(server):
     ({"prompt": "abc", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": "abc", "frequency_penalty": -3}, 400, "frequency_penalty"),
     ({"prompt": "abc", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "abc", "repetition_penalty": 1e-37}, 400, "repetition_penalty"),  # logit / it: +inf in float32
+    ({"prompt": "abc", "grammar": "regex:[^\\s\\S]"}, 400, "grammar"),          # no token can start it
+    ({"prompt": "abc", "grammar": "regex:a", "min_tokens": 3, "max_tokens": 5}, 400, "min_tokens"),
     ({"prompt": "abc", "response_format": {"type": "xml"}}, 400, "response_format"),
     ({"prompt": "abc", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
      400, "response_format"),

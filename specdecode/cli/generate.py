@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
                           "and marks the stats lossy. In (0, 1] (default: 1, exact)")
     gen.add_argument("--seed", type=int, default=None, help="random seed; the same seed gives the same output")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
-                     help="divide the logits of tokens already in the prompt or output by P (> 0; transformers' "
+                     help="divide the logits of tokens already in the prompt or output by P (in [1e-20, 1e20]; transformers' "
                           "semantics; exact under speculation); 1 = off (default), or the model's "
                           "generation_config value")
     gen.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",

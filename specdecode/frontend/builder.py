@@ -20,6 +20,7 @@ from specdecode.engine.request import DecodeConfig, Request
 from specdecode.frontend.schema import ApiError, ChatRequest, CompletionRequest, \
     max_tokens, num_logprobs, prompt_list, stops
 from specdecode.sampling import SamplingParams
+from specdecode.sampling_params import OptionError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 1024         # chat has no OpenAI default: the room left, at most this
@@ -265,8 +266,9 @@ class RequestBuilder:
         compiled = grammar if isinstance(grammar, Grammar) else self.grammar(response_format, grammar)
         if compiled is not None and (sampling.min_tokens > 0 or sampling.ignore_eos):
             # the grammar ends an output where only EOS may follow: masking EOS then leaves no token
-            raise ValueError("min_tokens and ignore_eos cannot be combined with a grammar or response_format "
-                             "(the grammar decides where the output ends)")
+            raise OptionError("min_tokens" if sampling.min_tokens > 0 else "ignore_eos",
+                              "min_tokens and ignore_eos cannot be combined with a grammar or response_format "
+                              "(the grammar decides where the output ends)")
         if "repetition_penalty" in self.defaults and sampling.repetition_penalty == 1.0:
             sampling = dataclasses.replace(sampling, repetition_penalty=self.defaults["repetition_penalty"])
         if "no_repeat_ngram_size" in self.defaults:
@@ -392,7 +394,7 @@ class RequestBuilder:
             config = self.config(max_new, sampling, stops(req), logprobs=num_logprobs(req), grammar=grammar,
                                  prompt_logprobs=prompt_logprobs)
         except (ValueError, TypeError) as err:
-            raise ApiError(400, str(err)) from None
+            raise ApiError(400, str(err), getattr(err, "field", None)) from None
         if req.num_speculative_tokens is not None:
             config = dataclasses.replace(config, num_speculative_tokens=req.num_speculative_tokens)
         n = req.n or 1
