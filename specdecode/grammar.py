@@ -66,8 +66,9 @@ def parse_response_format(response_format) -> tuple[str, object] | None:
 class Grammar:
     """A compiled grammar (immutable, shared by requests); `state(prompt_len)` gives a request its matcher."""
 
-    def __init__(self, compiled, description: str, vocab_size: int):
+    def __init__(self, compiled, description: str, vocab_size: int, eos_token_ids: Sequence[int] = ()):
         self.compiled, self.description, self.vocab_size = compiled, description, vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def state(self, prompt_len: int) -> "GrammarState":
         return GrammarState(self, prompt_len)
@@ -89,7 +90,7 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(eos_token_ids) or None)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
 
     @classmethod
     def from_vocabulary(cls, tokens: Sequence[str], eos_token_ids: Sequence[int]) -> "GrammarCompiler":
@@ -98,7 +99,7 @@ class GrammarCompiler:
         self = cls.__new__(cls)
         info = xgr.TokenizerInfo(list(tokens), xgr.VocabType.RAW, stop_token_ids=list(eos_token_ids))
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self.vocab_size = len(tokens)
+        self.vocab_size, self.eos_token_ids = len(tokens), tuple(eos_token_ids)
         return self
 
     def compile(self, response_format=None, grammar: str | None = None) -> Grammar | None:
@@ -116,17 +117,19 @@ class GrammarCompiler:
             raise ValueError("grammar must be a non-empty string: EBNF, or 'regex:PATTERN'")
         try:
             if parsed is not None and parsed[0] == "json_object":
-                return Grammar(self._compiler.compile_builtin_json_grammar(), "json_object", self.vocab_size)
+                return Grammar(self._compiler.compile_builtin_json_grammar(), "json_object", self.vocab_size,
+                               self.eos_token_ids)
             if parsed is not None:
                 schema = parsed[1]
                 compiled = self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
-                return Grammar(compiled, "json_schema", self.vocab_size)
+                return Grammar(compiled, "json_schema", self.vocab_size, self.eos_token_ids)
             if grammar is None:
                 return None
             if grammar.startswith("regex:"):
-                compiled = Grammar(self._compiler.compile_regex(grammar[len("regex:"):]), "regex", self.vocab_size)
+                compiled = Grammar(self._compiler.compile_regex(grammar[len("regex:"):]), "regex", self.vocab_size,
+                                   self.eos_token_ids)
             else:
-                compiled = Grammar(self._compiler.compile_grammar(grammar), "ebnf", self.vocab_size)
+                compiled = Grammar(self._compiler.compile_grammar(grammar), "ebnf", self.vocab_size, self.eos_token_ids)
         except RuntimeError as err:
             what = "JSON schema" if parsed is not None else "regex" if grammar.startswith("regex:") else "grammar"
             raise ValueError(f"invalid {what}: {_short(err)}") from None
@@ -145,7 +148,7 @@ class GrammarState:
         xgr = _xgrammar()
         self._xgr = xgr
         self.matcher = xgr.GrammarMatcher(grammar.compiled)
-        self.vocab_size = grammar.vocab_size
+        self.vocab_size, self.eos_token_ids = grammar.vocab_size, grammar.eos_token_ids
         self.prompt_len = prompt_len
         self._consumed = prompt_len  # committed tokens fed to the matcher (the prompt is not)
         self._bitmask = xgr.allocate_token_bitmask(1, grammar.vocab_size)
@@ -162,6 +165,15 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(self._bitmask, 0)
         bits = (self._bitmask[0].unsqueeze(-1) >> self._bits) & 1
         return bits.view(-1)[:self.vocab_size].bool()
+
+    def _next(self) -> torch.Tensor:
+        """[V] bool: the tokens allowed next, or, where the grammar has no continuation (a dead end
+        such as the regex a[^\\s\\S] after "a"), the EOS ids: the output ends there instead of a
+        position with every token masked (NaN probabilities, a failed step for every request)."""
+        allowed = self._allowed()
+        if not allowed.any() and self.eos_token_ids:
+            allowed[[t for t in self.eos_token_ids if t < allowed.shape[0]]] = True
+        return allowed
 
     def _advance(self, tokens: Sequence[int]) -> int:
         """Accept tokens while the grammar allows them; how many were accepted (roll them back!)."""
@@ -183,7 +195,7 @@ class GrammarState:
             for i in range(n):
                 if self.matcher.is_terminated():
                     break  # after the stop token: the request has ended, these positions are never used
-                allowed = self._allowed()
+                allowed = self._next()
                 width = min(vocab, allowed.shape[0])
                 out[i, :width].masked_fill_(~allowed[:width], float("-inf"))
                 out[i, width:] = float("-inf")
@@ -214,7 +226,7 @@ class GrammarState:
                 return None
             if self.matcher.is_terminated():
                 return ENDED
-            ids = self._allowed().nonzero()
+            ids = self._next().nonzero()
         finally:
             if accepted:
                 self.matcher.rollback(accepted)

@@ -232,6 +232,20 @@ def test_forced_tokens_cost_no_draft_forward(ascii_compiler):
     assert result.stats.num_draft_calls == 0 and result.stats.num_drafted == result.stats.num_accepted > 0
 
 
+@pytest.mark.parametrize("seed", [None, 0], ids=["greedy", "sampled"])
+def test_a_grammar_dead_end_ends_the_output_instead_of_failing_the_step(ascii_compiler, seed):
+    # after "a" the regex allows nothing: every token masked would give NaN probabilities (a failed
+    # step for every request in it); the output ends there with EOS instead
+    target_model, draft_model = tiny_llama(0, layers=2), tiny_llama(1, layers=1)
+    grammar = ascii_compiler.compile(grammar="regex:a[^\\s\\S]")
+    sampling = SamplingParams(temperature=0) if seed is None else SamplingParams(seed=seed)
+    config = DecodeConfig(max_new_tokens=8, sampling=sampling, num_speculative_tokens=4,
+                          eos_token_ids=frozenset({ASCII_EOS}), grammar=grammar)
+    for proposer in (DraftModelProposer(HFCausalLM(draft_model)), None):
+        result = run(HFCausalLM(target_model), proposer, [10, 20], config)
+        assert [ASCII[t] for t in result.token_ids] == ["a", "<eos>"] and result.finish_reason == "eos"
+
+
 def test_response_format_errors_are_one_clear_line(ascii_compiler):
     with pytest.raises(ValueError, match="invalid JSON schema: Unsupported type"):
         ascii_compiler.compile({"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}})
