@@ -63,6 +63,44 @@ def parse_response_format(response_format) -> tuple[str, object] | None:
     return kind, schema
 
 
+# JSON-schema keywords the grammar engine (xgrammar) accepts but does not enforce: measured, text
+# that violates each passed its matcher (e.g. "1" under {"type": "integer", "not": {"const": 1}}).
+# Refused rather than ignored: they change which outputs are valid.
+UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
+                       "dependentSchemas", "uniqueItems")
+_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # their keys are names, not keywords
+_DATA = ("enum", "const", "default", "examples")                         # values, not schemas
+
+
+def unenforced_keywords(schema) -> list[str]:
+    """The keywords of a JSON schema that the grammar engine would ignore (sorted, with a
+    non-local $ref and a multipleOf on a non-integer type among them)."""
+    found = set()
+
+    def walk(node):
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+            return
+        if not isinstance(node, dict):
+            return
+        for key, value in node.items():
+            if key in UNENFORCED_KEYWORDS:
+                found.add(key)
+            elif key == "$ref" and isinstance(value, str) and not value.startswith("#"):
+                found.add(f"$ref to {value}")
+            elif key == "multipleOf" and node.get("type") != "integer":
+                found.add("multipleOf (on a non-integer)")
+            if key in _NAME_MAPS and isinstance(value, dict):
+                for sub in value.values():
+                    walk(sub)
+            elif key not in _DATA:
+                walk(value)
+
+    walk(schema)
+    return sorted(found)
+
+
 class Grammar:
     """A compiled grammar (immutable, shared by requests); `state(prompt_len)` gives a request its matcher."""
 
@@ -121,6 +159,10 @@ class GrammarCompiler:
                                self.eos_token_ids)
             if parsed is not None:
                 schema = parsed[1]
+                ignored = unenforced_keywords(schema)
+                if ignored:
+                    raise ValueError(f"JSON schema keywords not enforced here (refused rather than ignored): "
+                                     f"{', '.join(ignored)}")
                 compiled = self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
                 return Grammar(compiled, "json_schema", self.vocab_size, self.eos_token_ids)
             if grammar is None:

@@ -266,3 +266,14 @@ def test_response_format_errors_are_one_clear_line(ascii_compiler):
         with pytest.raises(ValueError, match="accepts no text"):
             ascii_compiler.compile(grammar=empty)
     assert ascii_compiler.compile(grammar="regex:a+") is not None
+    # keywords the engine accepts without enforcing them are refused, not ignored; a property
+    # that happens to be called "not" is a name, not a keyword
+    for schema, named in (({"type": "integer", "not": {"const": 1}}, "not"),
+                          ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+                          ({"$ref": "http://127.0.0.1:9/x"}, "$ref to http://127.0.0.1:9/x"),
+                          ({"type": "number", "multipleOf": 3}, "multipleOf")):
+        with pytest.raises(ValueError, match="not enforced here") as refused:
+            ascii_compiler.compile({"type": "json_schema", "json_schema": {"schema": schema}})
+        assert named in str(refused.value)
+    named_not = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"enum": ["not"]}}}
+    assert ascii_compiler.compile({"type": "json_schema", "json_schema": {"schema": named_not}}) is not None

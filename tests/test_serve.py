@@ -212,6 +212,7 @@ def test_sixteen_concurrent_requests_each_equal_their_solo_result(server):
     ({"prompt": "abc", "logit_bias": {"a": 1}}, 400, "logit_bias"),
     ({"prompt": "abc", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"prompt": "abc", "logit_bias": {"05": 1}}, 400, "logit_bias"),
+    ({"prompt": "abc", "logit_bias": {"5": "1"}}, 400, "logit_bias"),             # not logit_bias.5
     ({"prompt": "abc", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ({"prompt": "abc", "min_tokens": 30, "max_tokens": 20}, 400, "min_tokens"),
     ({"prompt": "abc", "ignore_eos": "yes"}, 400, "ignore_eos"),

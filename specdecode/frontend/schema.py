@@ -128,7 +128,10 @@ def parse(kind: type[BaseModel], body) -> BaseModel:
 
 def _param(loc) -> str | None:
     """pydantic's error location as the field's name: list indices kept, union branch names
-    ("str", "list[int]", ...) dropped."""
+    ("str", "list[int]", ...) dropped; a map's keys are the client's data, not fields
+    (logit_bias's token ids)."""
+    if loc and loc[0] == "logit_bias":
+        return "logit_bias"
     parts = [str(p) for p in loc if isinstance(p, int) or ("[" not in str(p) and str(p) not in
                                                            ("str", "int", "float", "bool", "list", "dict"))]
     return ".".join(parts) or None
