@@ -139,11 +139,22 @@ def test_lines_are_checked_like_server_bodies_before_any_model_loads(model_dirs,
     assert not (tmp_path / "o2.jsonl").exists()
 
 
+@pytest.fixture(scope="module")
+def long_uninterrupted(model_dirs, tmp_path_factory):
+    """A 240-row input and id → text of an uninterrupted run: long enough that a job cannot finish
+    between its second line and a signal (24 rows of the tiny pair took 0.4 s)."""
+    root = tmp_path_factory.mktemp("signal")
+    rows = [{"id": f"s{i}", "prompt": PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS))} for i in range(240)]
+    inp, out = write_jsonl(root / "in.jsonl", rows), str(root / "reference.jsonl")
+    assert main(["batch", inp, "--output", out, *long_job(model_dirs)]) == 0
+    return inp, {r["id"]: r["text"] for r in read_jsonl(out)}
+
+
 @pytest.mark.parametrize("signum,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 @pytest.mark.slow
-def test_ctrl_c_or_sigterm_stops_the_job_with_a_summary_keeping_whole_lines(model_dirs, uninterrupted, tmp_path,
+def test_ctrl_c_or_sigterm_stops_the_job_with_a_summary_keeping_whole_lines(model_dirs, long_uninterrupted, tmp_path,
                                                                             signum, status):
-    inp, expected = uninterrupted
+    inp, expected = long_uninterrupted
     out = tmp_path / "out.jsonl"
     command, env = subprocess_job(model_dirs, inp, str(out))
     command.remove("--quiet")
@@ -160,7 +171,7 @@ def test_ctrl_c_or_sigterm_stops_the_job_with_a_summary_keeping_whole_lines(mode
     assert proc.returncode == status, err
     assert "interrupted;" in err and "rows done" in err and "run the same command again" in err
     records = read_jsonl(out)  # whole lines only, each the uninterrupted text
-    assert 2 <= len(records) < 24 and all(expected[r["id"]] == r["text"] for r in records)
+    assert 2 <= len(records) < 240 and all(expected[r["id"]] == r["text"] for r in records)
 
 
 def test_journal_keeps_whole_lines_and_cuts_only_a_half_line(tmp_path):
