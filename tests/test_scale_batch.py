@@ -140,9 +140,10 @@ def test_lines_are_checked_like_server_bodies_before_any_model_loads(model_dirs,
 
 
 @pytest.fixture(scope="module")
-def long_uninterrupted(model_dirs, tmp_path_factory):
-    """A 240-row input and id → text of an uninterrupted run: long enough that a job cannot finish
-    between its second line and a signal (24 rows of the tiny pair took 0.4 s)."""
+def uninterrupted(model_dirs, tmp_path_factory):
+    """The signal and kill tests' input, 240 rows, and id → text of an uninterrupted run of it: long
+    enough that a job cannot finish between the line a test waits for and its signal (24 rows of
+    the tiny pair took 0.4 s)."""
     root = tmp_path_factory.mktemp("signal")
     rows = [{"id": f"s{i}", "prompt": PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS))} for i in range(240)]
     inp, out = write_jsonl(root / "in.jsonl", rows), str(root / "reference.jsonl")
@@ -152,9 +153,9 @@ def long_uninterrupted(model_dirs, tmp_path_factory):
 
 @pytest.mark.parametrize("signum,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 @pytest.mark.slow
-def test_ctrl_c_or_sigterm_stops_the_job_with_a_summary_keeping_whole_lines(model_dirs, long_uninterrupted, tmp_path,
+def test_ctrl_c_or_sigterm_stops_the_job_with_a_summary_keeping_whole_lines(model_dirs, uninterrupted, tmp_path,
                                                                             signum, status):
-    inp, expected = long_uninterrupted
+    inp, expected = uninterrupted
     out = tmp_path / "out.jsonl"
     command, env = subprocess_job(model_dirs, inp, str(out))
     command.remove("--quiet")
@@ -171,7 +172,7 @@ def test_ctrl_c_or_sigterm_stops_the_job_with_a_summary_keeping_whole_lines(mode
     assert proc.returncode == status, err
     assert "interrupted;" in err and "rows done" in err and "run the same command again" in err
     records = read_jsonl(out)  # whole lines only, each the uninterrupted text
-    assert 2 <= len(records) < 240 and all(expected[r["id"]] == r["text"] for r in records)
+    assert 2 <= len(records) < len(expected) and all(expected[r["id"]] == r["text"] for r in records)
 
 
 def test_journal_keeps_whole_lines_and_cuts_only_a_half_line(tmp_path):
@@ -195,20 +196,6 @@ def subprocess_job(dirs, inp, out):
     return [sys.executable, "-m", "specdecode.cli", "batch", inp, "--output", out, *long_job(dirs)], env
 
 
-SIGKILL_ROWS = [{"id": f"r{i}", "prompt": PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS))} for i in range(24)]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(model_dirs, tmp_path_factory):
-    """The input of the kill tests, and id → text of an uninterrupted run of it."""
-    root = tmp_path_factory.mktemp("sigkill")
-    inp, out = write_jsonl(root / "in.jsonl", SIGKILL_ROWS), str(root / "reference.jsonl")
-    assert main(["batch", inp, "--output", out, *long_job(model_dirs)]) == 0
-    expected = {r["id"]: r["text"] for r in read_jsonl(out)}
-    assert len(expected) == 24
-    return inp, expected
-
-
 # The goal: no row lost or duplicated in 3 runs out of 3, killed early, midway and late.
 @pytest.mark.parametrize("kill_after", [4, 1, 16])
 @pytest.mark.slow
@@ -227,12 +214,12 @@ def test_sigkill_mid_run_then_rerun_gives_every_id_once_and_the_uninterrupted_te
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     written = out.read_text().count("\n")
-    assert kill_after <= written < 24
+    assert kill_after <= written < len(expected)
     rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     records = read_jsonl(out)
     ids = [r["id"] for r in records]
-    assert sorted(ids) == sorted(expected) and len(set(ids)) == len(ids) == 24
+    assert sorted(ids) == sorted(expected) and len(set(ids)) == len(ids) == len(expected) == 240
     assert {r["id"]: r["text"] for r in records} == expected
 
 
