@@ -159,7 +159,10 @@ def test_ctrl_c_or_sigterm_stops_the_job_with_a_summary_keeping_whole_lines(mode
     out = tmp_path / "out.jsonl"
     command, env = subprocess_job(model_dirs, inp, str(out))
     command.remove("--quiet")
-    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    # as from a terminal: SIGINT at its default in the job (an earlier test in this process may leave
+    # it ignored, and an ignored SIGINT is inherited: Python then installs no KeyboardInterrupt)
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n") >= 2):
         time.sleep(0.01)
