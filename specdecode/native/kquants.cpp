@@ -161,11 +161,14 @@ struct Activations {
     float dx(int64_t row, int64_t b) const { return d[row * (K / QK) + b]; }
 #endif
 
-    Activations(int64_t rows, int64_t inputs) : M(rows), K(inputs), low(rows * (inputs / 32)) {
+    bool q4 = true, q6 = true;     // whether the call has Q4_K, Q6_K weights (AVX-512: only their layouts are made)
+
+    Activations(int64_t rows, int64_t inputs, bool has_q4, bool has_q6)
+        : M(rows), K(inputs), low(rows * (inputs / 32)), q4(has_q4), q6(has_q6) {
 #if KQ_ISA == 2
-        t4.resize(M * K);
-        t6.resize(M * K);
-        off6.resize(M * (K / QK) * 16);
+        if (q4) t4.resize(M * K);
+        if (q6) t6.resize(M * K);
+        if (q6) off6.resize(M * (K / QK) * 16);
 #else
         q.resize(M * K);
         sum16.resize(M * (K / 16));
@@ -214,21 +217,25 @@ void prepare_block(Activations& a, const bf16* x, int64_t m, int64_t b) {
                                                      part[2], 2), part[3], 3);
     }
     __m512i t[4], sums[4];
-    transpose_lanes(q, t);
-    int8_t* t6 = a.t6.data() + (b * a.M + m) * QK;
-    for (int i = 0; i < 4; ++i) _mm512_store_si512(t6 + 64 * i, t[i]);
-    // Q4_K's nibble order: 128 inputs as 0-31, 64-95 (codes[0]) and 32-63, 96-127 (codes[1])
-    const __m512i nibbles[4] = {_mm512_shuffle_i64x2(q[0], q[1], 0x44), _mm512_shuffle_i64x2(q[0], q[1], 0xee),
-                                _mm512_shuffle_i64x2(q[2], q[3], 0x44), _mm512_shuffle_i64x2(q[2], q[3], 0xee)};
-    transpose_lanes(nibbles, t);
-    int8_t* t4 = a.t4.data() + (b * a.M + m) * QK;
-    for (int i = 0; i < 4; ++i) _mm512_store_si512(t4 + 64 * i, t[i]);
+    if (a.q6) {
+        transpose_lanes(q, t);
+        int8_t* t6 = a.t6.data() + (b * a.M + m) * QK;
+        for (int i = 0; i < 4; ++i) _mm512_store_si512(t6 + 64 * i, t[i]);
+    }
+    if (a.q4) {
+        // Q4_K's nibble order: 128 inputs as 0-31, 64-95 (codes[0]) and 32-63, 96-127 (codes[1])
+        const __m512i nibbles[4] = {_mm512_shuffle_i64x2(q[0], q[1], 0x44), _mm512_shuffle_i64x2(q[0], q[1], 0xee),
+                                    _mm512_shuffle_i64x2(q[2], q[3], 0x44), _mm512_shuffle_i64x2(q[2], q[3], 0xee)};
+        transpose_lanes(nibbles, t);
+        int8_t* t4 = a.t4.data() + (b * a.M + m) * QK;
+        for (int i = 0; i < 4; ++i) _mm512_store_si512(t4 + 64 * i, t[i]);
+    }
     // Σ x̂ per 4 inputs, then per sub-block of 16 in the lane order
     const __m512i ones = _mm512_set1_epi8(1);
     for (int c = 0; c < 4; ++c) sums[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, q[c]);
     transpose_lanes(sums, t);
     const __m512i sum16 = _mm512_add_epi32(_mm512_add_epi32(t[0], t[1]), _mm512_add_epi32(t[2], t[3]));
-    _mm512_store_si512(a.off6.data() + (b * a.M + m) * 16, _mm512_mullo_epi32(sum16, _mm512_set1_epi32(-32)));
+    if (a.q6) _mm512_store_si512(a.off6.data() + (b * a.M + m) * 16, _mm512_mullo_epi32(sum16, _mm512_set1_epi32(-32)));
     alignas(64) int32_t natural[16];  // sub-block j's sum (the transpose is its own inverse)
     _mm512_store_si512(natural, _mm512_permutexvar_epi32(_mm512_load_si512(kQ6Lane), sum16));
     for (int j = 0; j < 8; ++j) a.low[m * (a.K / 32) + 8 * b + j] = d * static_cast<float>(natural[2 * j] + natural[2 * j + 1]);
@@ -684,7 +691,7 @@ void sd_linear_kq(const bf16* x, int64_t M, int64_t K, int64_t ldx, int parts, c
                   const int* types, const int64_t* rows, const float* bias, void* y, int64_t ldy, int out_f32,
                   int threads) {
     if (M <= 0) return;
-    Activations a(M, K);
+    Activations a(M, K, std::count(types, types + parts, TYPE_Q4_K) > 0, std::count(types, types + parts, TYPE_Q6_K) > 0);
     std::vector<int64_t> first(parts + 1, 0);
     for (int p = 0; p < parts; ++p) first[p + 1] = first[p] + rows[p];
     const int64_t total = first[parts];
